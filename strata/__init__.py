@@ -1,0 +1,1 @@
+"""Strata: a Qwen3.8-Flash-Next (qwen4exp) inference engine."""
