@@ -67,6 +67,7 @@ _PRE_TYPES: dict[str, _Pre] = {
         r"[0-9][0-9][0-9]",
     )),
 }
+_PRE_TYPES["llama-bpe"] = _PRE_TYPES["llama3"]  # the name llama.cpp's converter writes for Llama 3 vocabs
 
 
 def _bytes_to_unicode() -> dict[int, str]:

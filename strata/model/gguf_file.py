@@ -155,14 +155,17 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: header claims {n_tensors} tensors and {n_kv} keys: corrupt file")
 
         self.metadata: dict[str, Any] = {}
-        self.value_types: dict[str, GGUFValueType] = {}
+        self.value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}  # (type, array element type)
         for i in range(n_kv):
             cur.what = f"metadata key #{i}"
             key = cur.string()
             cur.what = f"metadata key '{key}'"
             vtype = cur.u32()
+            sub = None
+            if vtype == GGUFValueType.ARRAY and cur.pos + 4 <= len(cur.buf):
+                sub = GGUFValueType(struct.unpack_from("<I", cur.buf, cur.pos)[0])
             self.metadata[key] = cur.value(vtype)
-            self.value_types[key] = GGUFValueType(vtype)
+            self.value_types[key] = (GGUFValueType(vtype), sub)
 
         infos = []
         for i in range(n_tensors):

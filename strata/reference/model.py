@@ -19,7 +19,7 @@ from strata.reference.common import F32, rope_inv_freq
 from strata.reference.gdn import GdnState, gdn_step
 from strata.reference.hc import gr_read, gr_write
 from strata.reference.moe import combine, expert_ffn, route, shared_expert
-from strata.reference.ple import PleState, ple_block, ple_gather, ple_rows
+from strata.reference.ple import NgramWindow, PleState, ple_block, ple_gather, ple_rows
 from strata.reference.qsa import QsaState, qsa_step
 
 # the stage names, in order, that a dump records per layer
@@ -66,6 +66,7 @@ class SeqState:
     gdn: dict[int, GdnState]
     qsa: dict[int, QsaState]
     ple: PleState | None
+    window: NgramWindow | None
     dump: StageDump | None = None
 
 
@@ -94,6 +95,7 @@ class RefModel:
             gdn={il: GdnState.zeros(cfg) for il in range(cfg.n_layer) if cfg.recurrent[il]},
             qsa={il: QsaState() for il in range(cfg.n_layer) if not cfg.recurrent[il]},
             ple=PleState.start(cfg) if cfg.ple_layers else None,
+            window=NgramWindow.start(cfg) if cfg.ple_layers else None,
             dump=dump,
         )
 
@@ -112,7 +114,7 @@ class RefModel:
 
     def ple_input(self, st: SeqState, token: int) -> np.ndarray:
         """The gathered PLE rows for this token (host work: hash + table reads)."""
-        return ple_gather(self.w.per_layer_token_embd, ple_rows(self.cfg, token, st.ple.prev))
+        return ple_gather(self.w.per_layer_token_embd, ple_rows(self.cfg, token, st.window.prev))
 
     def pre(self, st: SeqState, il: int, R: np.ndarray, ple_e: np.ndarray | None = None) -> PreOut:
         cfg, w = self.cfg, self.w.layers[il]
@@ -156,8 +158,8 @@ class RefModel:
         return logits
 
     def finish_token(self, st: SeqState, token: int) -> None:
-        if st.ple is not None:
-            st.ple.advance(self.cfg, token)
+        if st.window is not None:
+            st.window.advance(self.cfg, token)
         st.pos += 1
 
     # one whole token --------------------------------------------------------------------------------------------

@@ -18,18 +18,27 @@ _MASK64 = (1 << 64) - 1
 
 
 @dataclass
-class PleState:
-    prev: tuple[int, int]      # (t1, t2): the previous two tokens as the hash sees them (EOS where cut)
-    hist: np.ndarray           # (ple_hist, hc*E): previous normalized conv inputs, oldest first
+class NgramWindow:
+    """The previous two tokens as the hash sees them (EOS where cut): host state, owned by whoever hashes."""
+    prev: tuple[int, int]      # (t1, t2)
 
     @classmethod
-    def start(cls, cfg: ModelConfig) -> "PleState":
-        return cls((cfg.ple_eos, cfg.ple_eos), np.zeros((cfg.ple_hist, cfg.hc_dim), F32))
+    def start(cls, cfg: ModelConfig) -> "NgramWindow":
+        return cls((cfg.ple_eos, cfg.ple_eos))
 
     def advance(self, cfg: ModelConfig, token: int) -> None:
         """After `token`: it becomes t1; an EOS cuts the n-gram so nothing before it is seen (t2 = EOS)."""
         t1 = self.prev[0]
         self.prev = (token, cfg.ple_eos if token == cfg.ple_eos else t1)
+
+
+@dataclass
+class PleState:
+    hist: np.ndarray           # (ple_hist, hc*E): previous normalized conv inputs, oldest first: device state
+
+    @classmethod
+    def start(cls, cfg: ModelConfig) -> "PleState":
+        return cls(np.zeros((cfg.ple_hist, cfg.hc_dim), F32))
 
 
 def ple_rows(cfg: ModelConfig, token: int, prev: tuple[int, int]) -> np.ndarray:

@@ -1,0 +1,133 @@
+"""Strata command line: thin argument parsing over the strata package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _tokens(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens wants comma-separated integers like 1,2,3, got {s!r}") from None
+
+
+def cmd_generate(a) -> int:
+    from strata.engine import Engine
+    from strata.sampling import SamplingParams
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                            max_tokens=a.max_tokens, stop_at_eos=not a.ignore_eos)
+    eng = Engine.open_sync(a.model)
+    t0 = time.perf_counter()
+    marks = {}
+
+    def progress(done: int, total: int) -> None:
+        marks["prompt"] = (done, time.perf_counter() - t0)
+        if done == total or done % 16 == 0:
+            print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    n = 0
+    for delta, tok in eng.generate_sync(a.prompt, params, progress):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+        n += tok is not None
+    t = time.perf_counter() - t0
+    pn, pt = marks.get("prompt", (0, 0.0))
+    print(file=sys.stdout)
+    print(f"prompt: {pn} tokens, {pn / max(pt, 1e-9):.1f} tok/s | generation: {n} tokens, "
+          f"{n / max(t - pt, 1e-9):.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_logits(a) -> int:
+    import numpy as np
+    from strata.engine import Engine
+    from strata.reference.model import StageDump
+    eng = Engine.open_sync(a.model, exact=a.exact)
+    dump = StageDump() if a.dump else None
+    out = eng.logits(a.tokens, dump=dump)
+    np.save(a.out, out.astype(np.float32))
+    if dump is not None:
+        dump.save(a.dump)
+    print(f"wrote {a.out}: float32 {list(out.shape)}", file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from strata.inspect import report
+    from strata.model.loader import load_model
+    print(report(load_model(a.model)))
+    return 0
+
+
+def cmd_convert(a) -> int:
+    from strata.model.convert import convert
+    convert(a.hf_dir, a.out, a.outtype)
+    return 0
+
+
+def cmd_make_model(a) -> int:
+    from strata.model.synth import make_model
+    make_model(a.preset, a.out, seed=a.seed, mix=a.mix, ple_base=a.ple_base, threads=a.threads)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cli.py", description="Strata: Qwen3.8-Flash-Next (qwen4exp) inference")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt", nargs="?", default="Once upon a time")
+    g.add_argument("--model", "-m", help="GGUF file (default: the embedded tiny model)")
+    g.add_argument("--max-tokens", "-n", type=int, default=64)
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    g.set_defaults(fn=cmd_generate)
+
+    lg = sub.add_parser("logits", help="teacher-forced logits of a token sequence to a .npy file")
+    lg.add_argument("model")
+    lg.add_argument("--tokens", type=_tokens, required=True, help="comma-separated token ids")
+    lg.add_argument("--out", required=True, help="output .npy: float32 [n_tokens, n_vocab]")
+    lg.add_argument("--dump", help="also write the per-layer, per-stage values (C1 oracle) to this .npz")
+    lg.add_argument("--exact", action="store_true", help="f32 activations in quantized matvecs")
+    lg.set_defaults(fn=cmd_logits)
+
+    i = sub.add_parser("inspect", help="metadata, tensor types and bytes, bytes per token")
+    i.add_argument("model")
+    i.set_defaults(fn=cmd_inspect)
+
+    c = sub.add_parser("convert", help="transformers Qwen4-Exp checkpoint folder -> GGUF")
+    c.add_argument("hf_dir")
+    c.add_argument("out")
+    c.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"])
+    c.set_defaults(fn=cmd_convert)
+
+    mm = sub.add_parser("make-model", help="random weights straight to GGUF, deterministic by seed")
+    mm.add_argument("out")
+    mm.add_argument("--preset", default="tiny", help="tiny, small, medium or flash (the real geometry)")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--mix", default=None, help="f32, bf16, q8_0 or realistic (default: f32 for tiny, else realistic)")
+    mm.add_argument("--ple-base", type=int, default=None,
+                    help="rows per PLE head (default: the preset's; flash uses 20,000,000 like the real model)")
+    mm.add_argument("--threads", type=int, default=None)
+    mm.set_defaults(fn=cmd_make_model)
+
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, OSError, FloatingPointError) as e:
+        # bad input (a broken file, a wrong value): one line that says what to fix, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
