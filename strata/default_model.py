@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 DEFAULT_PRESET = "tiny"
@@ -14,7 +15,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def default_model_path(log=print) -> Path:
+def default_model_path(log=lambda s: print(s, file=sys.stderr)) -> Path:
     """Path of the tiny default model, made (in about a second) if it is not in the cache yet."""
     from strata.model.synth import make_model
     path = cache_dir() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v1.gguf"

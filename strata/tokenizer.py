@@ -4,10 +4,10 @@ for synthetic models.
 Encoding follows llama.cpp (src/llama-vocab.cpp): special tokens written in the text are cut out first, longest
 first; each remaining fragment is split by the regexes of its `tokenizer.ggml.pre` type, mapped to GPT-2's byte
 alphabet and merged by rank. The split and the merges run in HF `tokenizers` (Rust, Oniguruma regexes): its BPE
-merges the lowest-ranked pair, leftmost on ties, exactly as llama.cpp's does, and is ~100x faster than the same in
-Python. The special-token cut is done here because llama.cpp's rule (each token longest-first over the whole text)
-is not HF's (leftmost-longest), and because `parse_special` must not mutate a shared HF object. Like llama.cpp, and
-unlike transformers' Qwen tokenizers, the text is not NFC-normalized.
+merges the lowest-ranked pair, leftmost on ties, exactly as llama.cpp's does, at Rust speed where a Python loop
+would dominate prompt processing. The special-token cut is done here because llama.cpp's rule (each token
+longest-first over the whole text) is not HF's (leftmost-longest), and because `parse_special` must not mutate a
+shared HF object. Like llama.cpp, and unlike transformers' Qwen tokenizers, the text is not NFC-normalized.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def _token_id(meta: Mapping[str, Any], key: str, n_vocab: int) -> int | None:
 
 
 class Tokenizer:
-    """Text <-> token ids of one GGUF vocabulary. Immutable once built, so one instance serves all threads."""
+    """Text <-> token ids of one GGUF vocabulary. Only a memo of token bytes changes after construction (benignly),
+    so one instance serves all threads."""
 
     def __init__(self, tokens: list[str], index: dict[str, int], token_types: list[int],
                  merges: list[tuple[str, str]], pre: _Pre, *,
@@ -231,7 +232,8 @@ class Tokenizer:
         return piece
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD (errors="replace", as llama.cpp/HF)."""
+        """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD, one per maximal invalid subpart, as in HF
+        (Rust's from_utf8_lossy) and llama-cpp-python (errors="replace")."""
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
     def stream(self) -> StreamDecoder:
@@ -315,10 +317,10 @@ def _tie_key(seed: int, pair: tuple[str, str]) -> tuple[int, str, str]:
 
 @functools.lru_cache(maxsize=4)
 def _learned_merges(seed: int) -> tuple[tuple[str, str], ...]:
-    """BPE training on _TRAINING_TEXT, split by the qwen2 pre-tokenizer: repeatedly merge the most frequent
+    """BPE training on _TRAINING_TEXT, split by the qwen35 pre-tokenizer (Qwen3.5 family, as the real model): repeatedly merge the most frequent
     adjacent pair (a seeded hash breaks ties) until no pair occurs twice. Counts are updated incrementally and
     candidates kept in a heap, so training takes tens of milliseconds rather than seconds."""
-    split = _pre_tokenizer(_PRE_TYPES["qwen2"]).pre_tokenize_str(_TRAINING_TEXT)
+    split = _pre_tokenizer(_PRE_TYPES["qwen35"]).pre_tokenize_str(_TRAINING_TEXT)
     counted = Counter(piece for piece, _ in split)
     words = [list(w) for w in counted]
     freq = list(counted.values())
@@ -408,7 +410,7 @@ def build_vocab(n_vocab: int, eos_id: int, *, seed: int = 0) -> dict[str, Any]:
             n_unused += 1
     return {
         _K.MODEL: "gpt2",
-        _K.PRE: "qwen2",
+        _K.PRE: "qwen35",
         _K.LIST: tokens,
         _K.TOKEN_TYPE: types,
         _K.MERGES: merges,

@@ -39,7 +39,7 @@ class TinySpec:
     budget: int = 8
     ratio: int = 4
     vocab: int = 512
-    eos: int = 5
+    eos: int = 300
     ple_layer: int | None = 2          # 1-based as transformers counts
     heads_per_ngram: int = 2
     ngram_base: int = 101
@@ -70,11 +70,11 @@ SPECS = {
     # as many value heads as key heads (no retiling), wider hc rank, another rotary fraction
     "square": TinySpec("square", hidden=48, layers=4, heads=6, kv_heads=3, head_dim=16, rotary=0.5, k_heads=3,
                        v_heads=3, lin_dim=16, experts=6, top_k=2, ff=20, ff_shared=24, hc=3, rank=10, idx_heads=4,
-                       idx_dim=16, budget=8, ratio=4, vocab=384, eos=7, ple_layer=1, seed=1),
+                       idx_dim=16, budget=8, ratio=4, vocab=384, eos=310, ple_layer=1, seed=1),
     # two attention layers, a 2-token compress ratio, PLE on layer 3
     "deep": TinySpec("deep", hidden=32, layers=8, heads=2, kv_heads=1, head_dim=32, rotary=0.25, k_heads=2,
                      v_heads=4, lin_dim=8, experts=5, top_k=2, ff=16, ff_shared=16, hc=2, rank=6, idx_heads=4,
-                     idx_dim=8, budget=6, ratio=2, vocab=320, eos=3, ple_layer=3, seed=2),
+                     idx_dim=8, budget=6, ratio=2, vocab=320, eos=290, ple_layer=3, seed=2),
 }
 
 

@@ -139,7 +139,8 @@ class PyOracle:
 def hf_oracle(meta: dict, pre: str):
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     cls = {"qwen2": Qwen2Tokenizer, "qwen35": Qwen3_5Tokenizer}[pre]
-    hf = cls(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]])
+    hf = cls(vocab={t: i for i, t in enumerate(tokens)},
+             merges=[tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]])
     hf.add_tokens([AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
                    for t, ty in zip(tokens, types) if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)])
     return hf
@@ -252,6 +253,14 @@ def test_special_tokens(synthetic):
     assert tok.decode(plain) == s and len(plain) > len(ids)
     assert tok.token_bytes(4000) == b"<|endoftext|>" and tok.token_bytes(4003) == b"<tool_call>"
     assert tok.token_bytes(4010) == b""   # UNUSED renders as nothing, as in llama.cpp
+
+
+def test_empty_tokens_are_renamed_like_llama_cpp(synthetic):
+    tokens, types = list(synthetic["tokenizer.ggml.tokens"]), list(synthetic["tokenizer.ggml.token_type"])
+    tokens[4010:4012], types[4010:4012] = ["", ""], [int(TokenType.NORMAL)] * 2   # llama.cpp: "[EMPTY_<id>]"
+    tok = Tokenizer.from_metadata(dict(synthetic, **{"tokenizer.ggml.tokens": tokens,
+                                                     "tokenizer.ggml.token_type": types}))
+    assert (tok.token_bytes(4010), tok.token_bytes(4011)) == (b"[EMPTY_4010]", b"[EMPTY_4011]")
 
 
 def test_special_partition_is_longest_first(synthetic):
@@ -384,9 +393,10 @@ def real_geometry() -> dict:
 def test_build_vocab_real_geometry(real_geometry):
     meta = real_geometry
     assert meta == build_vocab(248320, 248044)   # deterministic
-    tokens, types, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.merges"]
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    merges = meta["tokenizer.ggml.merges"]
     assert len(tokens) == len(types) == 248320 == len(set(tokens))
-    assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen35")
     assert meta["tokenizer.ggml.eos_token_id"] == meta["tokenizer.ggml.padding_token_id"] == 248044
     assert meta["tokenizer.ggml.add_bos_token"] is False
     assert tokens[248044:248047] == CONTROL and types[248044:248047] == [3, 3, 3]

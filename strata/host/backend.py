@@ -1,6 +1,8 @@
 """The seam between the host scheduler and a device: per sequence, per layer, `pre` then `post`.
 
     begin(seq, token, ple_e)       stage the token id and its gathered PLE vector (the host hashes and reads the rows)
+    stage_ple(seq, ple_e)          the PLE vector later than begin (which then takes None): any time before
+                                      launch_pre of the PLE layer, so the row reads overlap layer 0
     launch_pre(seq, l)                start pre[l]: [PLE] -> gr_read -> mixer -> gr_write -> gr_read -> route
     poll_route(seq, l) -> Route|None  the doorbell: None until pre[l] has published the route; never blocks
     resident(l, ids) -> bool mask     which routed experts the backend computes itself (VRAM cache hits)
@@ -47,6 +49,7 @@ class Backend(Protocol):
     def new_seq(self, dump: StageDump | None = None) -> object: ...
     def free_seq(self, seq: object) -> None: ...
     def begin(self, seq: object, token: int, ple_e: np.ndarray | None) -> None: ...
+    def stage_ple(self, seq: object, ple_e: np.ndarray) -> None: ...
     def launch_pre(self, seq: object, layer: int) -> None: ...
     def poll_route(self, seq: object, layer: int) -> Route | None: ...
     def resident(self, layer: int, ids: np.ndarray) -> np.ndarray: ...
@@ -82,16 +85,23 @@ class CpuBackend:
         self.cfg = model.cfg
         self.ref = RefModel(model.weights)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-device")
+        self.live = 0                    # sequences between new_seq and free_seq: what a leak check counts
 
     def new_seq(self, dump: StageDump | None = None) -> _CpuSeq:
+        self.live += 1
         return _CpuSeq(self.ref.new_state(dump))
 
     def free_seq(self, seq: _CpuSeq) -> None:
-        seq.R = seq.pre = seq.job = None
+        if seq.st is not None:
+            self.live -= 1
+        seq.st = seq.R = seq.pre = seq.job = None
 
     def begin(self, seq: _CpuSeq, token: int, ple_e: np.ndarray | None) -> None:
         seq.token, seq.ple_e = token, ple_e
         seq.R = self.ref.embed(seq.st, token)
+
+    def stage_ple(self, seq: _CpuSeq, ple_e: np.ndarray) -> None:
+        seq.ple_e = ple_e
 
     def _run(self, seq: _CpuSeq, fn, *args) -> None:
         if seq.job is not None and not seq.job.done():
@@ -108,6 +118,8 @@ class CpuBackend:
 
     def launch_pre(self, seq: _CpuSeq, layer: int) -> None:
         ple = seq.ple_e if layer in self.cfg.ple_layers else None
+        if layer in self.cfg.ple_layers and ple is None:
+            raise BackendError(f"pre[{layer}] launched before the token's PLE vector was staged")
         self._run(seq, self.ref.pre, seq.st, layer, seq.R, ple)
 
     def poll_route(self, seq: _CpuSeq, layer: int) -> Route | None:

@@ -25,7 +25,6 @@ from strata.model.safetensors_file import Checkpoint, CheckpointError
 from strata.model.schema import all_specs
 from strata.quant import QType, block_size, quantize
 from strata.tokenizer import build_vocab
-from strata.tokenizer_hf import tokenizer_metadata_from_hf
 
 OUT_TYPES = {"f32": QType.F32, "f16": QType.F16, "bf16": QType.BF16, "q8_0": QType.Q8_0}
 
@@ -230,6 +229,40 @@ def hash_constants(ck: Checkpoint, hf: dict, cfg: ModelConfig) -> dict:
                 ple_offsets=tuple(ple_hash.head_offsets(sizes)), ple_vocab_sizes=tuple(sizes))
 
 
+def tokenizer_metadata_from_hf(folder: Path, n_vocab: int, eos: int | None) -> dict:
+    """GGUF tokenizer keys from a transformers tokenizer.json (byte-level BPE), padded to the model's vocab."""
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise ConvertError(f"{folder}/tokenizer.json: model type {model.get('type')!r}, expected BPE (byte-level)")
+    tokens: list[str | None] = [None] * n_vocab
+    types = [1] * n_vocab                                   # NORMAL
+    for text, i in model["vocab"].items():
+        if i < n_vocab:
+            tokens[i] = text
+    for added in tj.get("added_tokens", []):
+        if added["id"] < n_vocab:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = 3 if added.get("special") else 4   # CONTROL / USER_DEFINED
+    for i, t in enumerate(tokens):
+        if t is None:
+            tokens[i], types[i] = f"[PAD{i}]", 5                      # UNUSED, as llama.cpp's converter pads
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    pattern = json.dumps(tj.get("pre_tokenizer"))
+    if "p{M}" in pattern:
+        pre = "qwen35"
+    elif "p{L}" in pattern:
+        pre = "qwen2"
+    else:
+        raise ConvertError(f"{folder}/tokenizer.json: unrecognized pre-tokenizer {pattern[:200]}: strata knows "
+                           f"Qwen's (qwen2, qwen35)")
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges, "tokenizer.ggml.add_bos_token": False}
+    if eos is not None:
+        meta["tokenizer.ggml.eos_token_id"] = int(eos)
+    return meta
+
+
 def write_metadata(w: GGUFStreamWriter, cfg: ModelConfig, tok: dict, name: str) -> None:
     from gguf import GGUFValueType as VT
     w.add("general.name", VT.STRING, name)
@@ -272,11 +305,13 @@ def convert(hf_dir: str | Path, out_path: str | Path, outtype: str = "f32",
     cfg.validate()
 
     if (folder / "tokenizer.json").exists():
-        tok = tokenizer_metadata_from_hf(folder, cfg.n_vocab)
+        tok = tokenizer_metadata_from_hf(folder, cfg.n_vocab, cfg.eos_id)
     else:
         warnings.warn(f"{folder}: no tokenizer.json; writing strata's small synthetic BPE tokenizer "
                       f"({cfg.n_vocab} tokens, EOS {cfg.eos_id})", stacklevel=2)
-        tok = build_vocab(cfg.n_vocab, cfg.eos_id if cfg.eos_id is not None else cfg.n_vocab - 1)
+        # the synthetic vocab keeps ids 0-255 for bytes; an EOS there stays the model's (PLE) EOS only
+        eos = cfg.eos_id if cfg.eos_id is not None and 256 <= cfg.eos_id < cfg.n_vocab else cfg.n_vocab - 1
+        tok = build_vocab(cfg.n_vocab, eos)
 
     qt = OUT_TYPES[outtype]
     vector_names = {s.name for s in all_specs(cfg) if s.vector}
