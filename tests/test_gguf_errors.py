@@ -10,36 +10,11 @@ import numpy as np
 import pytest
 
 from strata.model.gguf_file import GGUFError, GGUFFile
-from strata.model.gguf_writer import GGUFStreamWriter
 from strata.model.loader import load_model
+from gguf_edit import rewrite
 from strata.quant import QType
 
 ROOT = Path(__file__).parent.parent
-
-
-def rewrite(src: Path, dst: Path, *, meta=None, drop_meta=(), drop_tensor=None, reshape=None, retype=None):
-    """Copy a GGUF with edits: metadata overrides {key: (vtype, value, sub)}, a tensor dropped, reshaped or retyped."""
-    gf = GGUFFile(src)
-    w = GGUFStreamWriter(dst)
-    for k, v in gf.metadata.items():
-        if k in drop_meta:
-            continue
-        vt, sub = gf.value_types[k]
-        if meta and k in meta:
-            vt, v, sub = meta[k]
-        w.add(k, vt, v, sub)
-    for name, t in gf.tensors.items():
-        if name == drop_tensor:
-            continue
-        shape, qt, data = t.shape, t.qtype, np.asarray(t.data)
-        if reshape and name == reshape[0]:
-            shape = reshape[1]
-        if retype and name == retype[0]:
-            qt = retype[1]
-            data = np.zeros(t.n_elements // 32 * 34, np.uint8)
-        w.add_tensor(name, shape, qt, data)
-    w.write()
-    return dst
 
 
 def test_not_gguf(tmp_path):

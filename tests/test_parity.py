@@ -123,3 +123,36 @@ def test_stage_dump_bisects(case, tmp_path):
     for t in tokens[:3]:
         RefModel(m.weights).step(st, t)
     assert first_divergence(broken, hf, rtol=TOL) == (0, 2, "combine")
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+def test_convert_outtypes(case, tmp_path, outtype):
+    """F16/BF16/Q8_0 files from the converter hold exactly gguf's rounding of the F32 weights (vectors stay F32),
+    and the engine on them equals the engine on an F32 file of those rounded weights."""
+    import gguf
+    from gguf_edit import dequantized_copy, reference_dequantize
+    spec, _, tokens, f32_file, ref = case
+    with pytest.warns(UserWarning, match="no tokenizer.json"):
+        convert(f32_file.parent / "hf", tmp_path / "m.gguf", outtype, log=lambda s: None)
+    q, f = load_model(tmp_path / "m.gguf").file, load_model(f32_file).file
+    assert q.tensors.keys() == f.tensors.keys()
+    gtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
+    for name, t in q.tensors.items():
+        w32 = np.asarray(f.tensors[name].data).view(np.float32).reshape(f.tensors[name].np_shape)
+        if t.qtype.name == "F32":
+            assert len(t.shape) == 1 or name.endswith("conv1d.weight"), name
+            assert np.array_equal(reference_dequantize(t), w32.reshape(-1))
+        else:
+            # rows the Q8_0 block does not divide fall back to F16, as the converter says
+            assert t.qtype.value == gtype or (t.qtype.name == "F16" and t.shape[0] % 32), name
+            tt = gguf.GGMLQuantizationType(t.qtype.value)
+            want = gguf.quants.dequantize(gguf.quants.quantize(w32, tt), tt)
+            assert np.array_equal(reference_dequantize(t), want.reshape(-1)), name
+    twin = dequantized_copy(tmp_path / "m.gguf", tmp_path / "twin.gguf")
+    a = Engine.open_sync(tmp_path / "m.gguf", exact=True).logits(tokens)
+    b = Engine.open_sync(twin).logits(tokens)
+    assert rel_err(a, b).max() <= TOL          # the same weights; only summation order differs
+    err = rel_err(a, ref)
+    print(f"{spec.name} {outtype}: vs transformers' F32 max rel err {err.max():.2e}, "
+          f"argmax agreement {np.mean(a.argmax(-1) == ref.argmax(-1)):.3f}")

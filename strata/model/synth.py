@@ -55,7 +55,7 @@ PRESETS: dict[str, dict] = {
     "small": dict(n_layer=8, n_embd=256, n_vocab=4096, n_ctx_train=32768, rms_eps=1e-6, n_head=8, n_head_kv=2,
                   head_dim=64, n_rot=16, rope_base=1e7, idx_heads=4, idx_dim=32, idx_budget=64, ssm_conv=4,
                   ssm_state=32, ssm_k_heads=4, ssm_v_heads=12, hc=4, hc_rank=64, n_expert=64, n_expert_used=8,
-                  n_ff_exp=256, n_ff_shexp=256, eos_id=4000, heads_per_ngram=8, ple_base=20011),
+                  n_ff_exp=256, n_ff_shexp=256, eos_id=4000, heads_per_ngram=4, ple_base=20011),
     # a few GB: the CPU-only benchmark configuration
     "medium": dict(n_layer=16, n_embd=1024, n_vocab=32768, n_ctx_train=32768, rms_eps=1e-6, n_head=8, n_head_kv=2,
                    head_dim=128, n_rot=32, rope_base=1e7, idx_heads=4, idx_dim=128, idx_budget=2048, ssm_conv=4,
