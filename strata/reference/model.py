@@ -93,7 +93,7 @@ class RefModel:
         return SeqState(
             pos=0,
             gdn={il: GdnState.zeros(cfg) for il in range(cfg.n_layer) if cfg.recurrent[il]},
-            qsa={il: QsaState() for il in range(cfg.n_layer) if not cfg.recurrent[il]},
+            qsa={il: QsaState.empty(cfg) for il in range(cfg.n_layer) if not cfg.recurrent[il]},
             ple=PleState.start(cfg) if cfg.ple_layers else None,
             window=NgramWindow.start(cfg) if cfg.ple_layers else None,
             dump=dump,

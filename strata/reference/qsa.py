@@ -8,7 +8,7 @@ the top budget/r of them; the incomplete tail is always attended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,12 +16,34 @@ from strata.config import ModelConfig
 from strata.reference.common import F32, rms_norm, rope, sigmoid, softmax
 
 
+class _Rows:
+    """An append-only array of rows that grows by doubling, so a step costs O(1) amortized, not a list copy."""
+
+    def __init__(self, row_shape: tuple[int, ...]):
+        self.a = np.empty((16, *row_shape), F32)
+        self.n = 0
+
+    def append(self, row: np.ndarray) -> None:
+        if self.n == len(self.a):
+            self.a = np.concatenate([self.a, np.empty_like(self.a)])
+        self.a[self.n] = row
+        self.n += 1
+
+    def view(self) -> np.ndarray:
+        return self.a[:self.n]
+
+
 @dataclass
 class QsaState:
-    k: list = field(default_factory=list)          # per cell (Hkv, D): normed, rotated keys
-    v: list = field(default_factory=list)          # per cell (Hkv, D)
-    idx_raw: list = field(default_factory=list)    # per cell (Di,): raw indexer keys, unnormed, unrotated
-    idx_blocks: list = field(default_factory=list)  # per complete block (Di,): pooled, normed, rotated keys
+    k: _Rows                   # (cells, Hkv, D): normed, rotated keys
+    v: _Rows                   # (cells, Hkv, D)
+    idx_raw: _Rows             # (cells, Di): raw indexer keys, unnormed, unrotated
+    idx_blocks: _Rows          # (complete blocks, Di): pooled, normed, rotated keys
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig) -> "QsaState":
+        kv = (cfg.n_head_kv, cfg.head_dim)
+        return cls(_Rows(kv), _Rows(kv), _Rows((cfg.idx_dim,)), _Rows((cfg.idx_dim,)))
 
 
 def select_blocks(scores: np.ndarray, k: int) -> np.ndarray:
@@ -48,27 +70,24 @@ def qsa_step(cfg: ModelConfig, il: int, w, st: QsaState, x: np.ndarray, pos: int
     st.idx_raw.append(w.indexer_k_proj @ x)
     if (pos + 1) % ratio == 0:
         b = pos // ratio
-        pooled = np.mean(np.stack(st.idx_raw[b * ratio:(b + 1) * ratio]), axis=0, dtype=F32)
+        pooled = np.mean(st.idx_raw.view()[b * ratio:(b + 1) * ratio], axis=0, dtype=F32)
         st.idx_blocks.append(rope(rms_norm(pooled, w.indexer_k_norm, eps)[None, :], b * ratio, inv_freq)[0])
 
     n_blocks = (pos + 1) // ratio
     topk = cfg.block_topk(il)
     if n_blocks > topk:
         iq = rope(rms_norm((w.indexer_q_proj @ x).reshape(Hi, Di), w.indexer_q_norm, eps), pos, inv_freq)
-        scores = np.maximum(iq @ np.stack(st.idx_blocks).T, 0).sum(axis=0, dtype=F32) / F32(np.sqrt(Di))
+        scores = np.maximum(iq @ st.idx_blocks.view().T, 0).sum(axis=0, dtype=F32) / F32(np.sqrt(Di))
         blocks = np.sort(select_blocks(scores, topk))
     else:
         scores, blocks = None, np.arange(n_blocks)
     cells = np.concatenate([(blocks[:, None] * ratio + np.arange(ratio)[None, :]).reshape(-1),
                             np.arange(n_blocks * ratio, pos + 1)])
 
-    K = np.stack([st.k[c] for c in cells])                    # (n_cells, Hkv, D)
-    V = np.stack([st.v[c] for c in cells])
+    K, V = st.k.view()[cells], st.v.view()[cells]              # (n_cells, Hkv, D)
     group = H // Hkv
-    att = np.empty((H, D), F32)
-    for h in range(H):
-        kvh = h // group                                       # GQA: consecutive query heads share a kv head
-        p = softmax(K[:, kvh] @ q[h] / F32(np.sqrt(D)))
-        att[h] = p @ V[:, kvh]
+    qh = q.reshape(Hkv, group, D)                              # GQA: consecutive query heads share a kv head
+    p = softmax(np.einsum("kgd,ckd->kgc", qh, K, dtype=F32) / F32(np.sqrt(D)))
+    att = np.einsum("kgc,ckd->kgd", p, V, dtype=F32).reshape(H, D)
     out = w.attn_output @ (att.reshape(-1) * sigmoid(gate))
     return out, {"cells": cells, "scores": scores}
