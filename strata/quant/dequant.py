@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from strata.quant.formats import F16_TO_F32, FLOAT_TYPES, KVALUES_IQ4NL, QType, block_size, qtype, type_size
+from strata.quant.formats import (F16_TO_F32, FLOAT_TYPES, KVALUES_IQ4NL, QType, block_size, qtype, readonly,
+                                  type_size)
 from strata.quant.grids import IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 _JIT = dict(nogil=True, cache=True, fastmath=False)
@@ -47,7 +48,8 @@ def _dq_q4_1(x, y, t):
 
 
 @njit(**_JIT)
-def _qh32(b, o):
+def le32(b, o):
+    """Little-endian uint32 at byte o, as int64."""
     return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
 
 
@@ -56,7 +58,7 @@ def _dq_q5_0(x, y, t):
     for i in range(x.shape[0]):
         b = x[i]
         d = _h(t, b, 0)
-        qh = _qh32(b, 2)
+        qh = le32(b, 2)
         for j in range(16):
             lo = np.int64(b[6 + j] & 15) | (((qh >> j) & 1) << 4)
             hi = np.int64(b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)
@@ -70,7 +72,7 @@ def _dq_q5_1(x, y, t):
         b = x[i]
         d = _h(t, b, 0)
         m = _h(t, b, 2)
-        qh = _qh32(b, 4)
+        qh = le32(b, 4)
         for j in range(16):
             lo = np.int64(b[8 + j] & 15) | (((qh >> j) & 1) << 4)
             hi = np.int64(b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)
@@ -132,7 +134,7 @@ def _k_scale_min(b, o, j):
 
 
 @njit(**_JIT)
-def _q3k_scale(b, j):
+def q3k_scale(b, j):
     """6-bit scale j of Q3_K (scales at 96..107), minus 32."""
     lo = np.int64(b[96 + (j % 8)] >> (4 * (j // 8))) & 15
     hi = (np.int64(b[104 + (j % 4)]) >> (2 * (j // 4))) & 3
@@ -145,7 +147,7 @@ def _dq_q3_k(x, y, t):
         b = x[i]
         d = _h(t, b, 108)
         for g in range(16):
-            dl = d * f32(_q3k_scale(b, g))
+            dl = d * f32(q3k_scale(b, g))
             q0 = 32 + 32 * (g // 8) + 16 * (g % 2)
             h0 = 16 * (g % 2)
             sh = 2 * ((g % 8) // 2)
@@ -390,7 +392,7 @@ def dequantize(raw: np.ndarray, qt: int, shape: tuple[int, ...] | None = None) -
         ts, bs = type_size(qt), block_size(qt)
         if raw.shape[-1] % ts:
             raise ValueError(f"{qt.name}: {raw.shape[-1]} bytes per row is not a whole number of {ts}-byte blocks")
-        blocks = np.ascontiguousarray(raw).reshape(-1, ts)
+        blocks = readonly(np.ascontiguousarray(raw).reshape(-1, ts))
         out = np.empty((blocks.shape[0], bs), np.float32)
         dequant_blocks_into(blocks, qt, out)
         out = out.reshape(*raw.shape[:-1], raw.shape[-1] // ts * bs)
@@ -398,9 +400,10 @@ def dequantize(raw: np.ndarray, qt: int, shape: tuple[int, ...] | None = None) -
 
 
 def _dequant_float(raw: np.ndarray, qt: QType) -> np.ndarray:
+    """A new float32 array, from the typed array or its bytes."""
     raw = np.asarray(raw)
     if qt == QType.F32:
-        return np.ascontiguousarray(raw).view(np.float32) if raw.dtype != np.float32 else raw.astype(np.float32, copy=True)
+        return (raw if raw.dtype == np.float32 else np.ascontiguousarray(raw).view(np.float32)).copy()
     if qt == QType.F16:
         h = raw if raw.dtype == np.float16 else np.ascontiguousarray(raw).view(np.float16)
         return h.astype(np.float32)

@@ -123,11 +123,25 @@ KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
+def readonly(a: np.ndarray) -> np.ndarray:
+    """`a` as a read-only view: kernels then see one array type whether the data is a file mapping
+    (read-only) or a fresh array, so numba compiles one specialization instead of two."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+_BY_ID = {int(q): q for q in QType}
+
+
 def qtype(qt: int) -> QType:
-    """`qt` as a QType; ValueError naming the id when strata has no such format."""
+    """`qt` as a QType (cheap: this sits on every matvec call); ValueError when strata has no such format."""
+    if type(qt) is QType:
+        return qt
     try:
-        return QType(int(qt))
-    except ValueError:
+        return _BY_ID[int(qt)]
+    except KeyError:
         raise ValueError(f"unsupported ggml type id {int(qt)}") from None
 
 
@@ -142,7 +156,7 @@ def type_size(qt: int) -> int:
 
 
 def row_bytes(qt: int, n: int) -> int:
-    """Bytes of a row of `n` elements."""
+    """Bytes of a row of `n` elements; ValueError when n is not a whole number of blocks."""
     bs, ts = _GEOMETRY[qtype(qt)]
     if n % bs != 0:
         raise ValueError(f"a {QType(qt).name} row holds whole blocks of {bs} elements; {n} is not a multiple")

@@ -1,0 +1,152 @@
+"""CPU quantized matvec throughput: GB/s of weight bytes streamed, next to this machine's memory bandwidth.
+
+    python bench/bench_quant.py [--threads N] [--quick] [--types Q2_0,Q4_K,Q8_0,IQ4_XS,Q6_K]
+
+Memory bandwidth is measured in the same run as the read rate of numpy int64 sums over a 1 GiB array
+(numpy releases the GIL in reductions), on 1 thread and on N threads splitting the array, before and
+after the kernels; the percentages use the higher of the two (other load on a shared machine only ever
+lowers a reading). Every kernel
+timing streams a rotating set of distinct weights totalling >= 4x the L3 cache (>= 128 MiB), so the
+cache cannot serve them; each figure is the median over repeats, after one warm-up pass.
+
+1 thread: matvec_prepared on the calling thread. N threads: expert shapes are split over experts (each
+thread streams its share of the set, the MoE layout); dense shapes are split over rows of each matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.quant import (QType, block_size, matvec_prepared, prepare_activation, random_blocks,  # noqa: E402
+                          row_bytes, split_rows)
+
+EXPERT_SHAPES = [(640, 2560), (2560, 640)]                      # (rows, K): gate/up, down of one expert
+DENSE_SHAPES = [(10240, 2560), (2560, 6144), (248320, 2560)]    # dense projections, the output head
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def l3_bytes() -> int:
+    for idx in range(8):
+        p = Path(f"/sys/devices/system/cpu/cpu0/cache/index{idx}")
+        if (p / "level").exists() and (p / "level").read_text().strip() == "3":
+            size = (p / "size").read_text().strip()
+            return int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]]
+    return 32 << 20
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()                                                        # warm-up (and JIT compile on a cold cache)
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def memory_bandwidth(pool: ThreadPoolExecutor, threads: int, repeats: int) -> tuple[float, float]:
+    """Read GB/s of int64 sums over 1 GiB: (1 thread, `threads` threads)."""
+    a = np.ones(1 << 27, np.int64)
+    one = a.nbytes / median_time(lambda: a.sum(), repeats) / 1e9
+    parts = np.array_split(a, threads)
+    many = a.nbytes / median_time(lambda: list(pool.map(np.sum, parts)), repeats) / 1e9
+    return one, many
+
+
+def bench_case(qt, rows, k, pool, threads, target_bytes, repeats, rng, expert):
+    wbytes = rows * row_bytes(qt, k)
+    n_w = max(2, -(-target_bytes // wbytes))
+    ws = [random_blocks(qt, (rows, k), rng, 0.02) for _ in range(n_w)]
+    total = sum(w.nbytes for w in ws)
+    act = prepare_activation(rng.standard_normal(k).astype(np.float32), qt)
+    out = np.empty(rows, np.float32)
+
+    def serial():
+        for w in ws:
+            matvec_prepared(w, qt, act, out)
+
+    outs = [np.empty(rows, np.float32) for _ in range(threads)]
+
+    def over_experts():
+        def run(i):
+            for w in ws[i::threads]:
+                matvec_prepared(w, qt, act, outs[i])
+        list(pool.map(run, range(threads)))
+
+    spans = split_rows(rows, threads)
+
+    def over_rows():
+        for w in ws:
+            for f in [pool.submit(matvec_prepared, w, qt, act, out, a, b) for a, b in spans]:
+                f.result()
+
+    t1 = median_time(serial, repeats)
+    tn = median_time(over_experts if expert else over_rows, repeats)
+    return wbytes, n_w, total / t1 / 1e9, total / tn / 1e9, t1 / n_w * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    ap.add_argument("--types", default="Q2_0,Q4_K,Q8_0,IQ4_XS,Q6_K")
+    args = ap.parse_args()
+    repeats = 3 if args.quick else 7
+    types = [QType[t] for t in args.types.split(",")]
+    pool = ThreadPoolExecutor(args.threads)
+    rng = np.random.default_rng(0)
+    target = max(128 << 20, 4 * l3_bytes())
+
+    print(f"# {cpu_model()}, {os.cpu_count()} CPUs, L3 {l3_bytes() >> 20} MiB; threads={args.threads}; "
+          f"{time.strftime('%Y-%m-%d')}; python bench/bench_quant.py {' '.join(sys.argv[1:])}")
+    print(f"# weights rotate through >= {target >> 20} MiB of distinct matrices per timing; medians of {repeats}; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    bw1, bwn = memory_bandwidth(pool, args.threads, repeats)
+    print(f"# memory read bandwidth before (numpy int64 sum, 1 GiB): 1 thread {bw1:.1f} GB/s, "
+          f"{args.threads} threads {bwn:.1f} GB/s")
+    rows_out = []
+    for qt in types:
+        for rows, k in EXPERT_SHAPES + DENSE_SHAPES:
+            expert = (rows, k) in EXPERT_SHAPES
+            if k % block_size(qt):
+                rows_out.append((qt, rows, k, None))
+                continue
+            rows_out.append((qt, rows, k, bench_case(qt, rows, k, pool, args.threads, target, repeats, rng, expert)))
+            print(f"# {qt.name} {rows}x{k} done", file=sys.stderr, flush=True)
+    end1, endn = memory_bandwidth(pool, args.threads, repeats)
+    print(f"# memory read bandwidth after: 1 thread {end1:.1f} GB/s, {args.threads} threads {endn:.1f} GB/s; "
+          f"load average at end {os.getloadavg()[0]:.2f}")
+    bw1, bwn = max(bw1, end1), max(bwn, endn)
+    print()
+    print(f"| type | rows x K | MB/matrix | 1 thr GB/s | % of {bw1:.1f} | us/call 1 thr | {args.threads} thr GB/s "
+          f"| % of {bwn:.1f} | {args.threads} thr split |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for qt, rows, k, res in rows_out:
+        if res is None:
+            print(f"| {qt.name} | {rows}x{k} | - | n/a: K % {block_size(qt)} != 0 | | | | | |")
+            continue
+        wb, _, g1, gn, us = res
+        print(f"| {qt.name} | {rows}x{k} | {wb / 1e6:.2f} | {g1:.1f} | {100 * g1 / bw1:.0f}% | {us:.0f} | "
+              f"{gn:.1f} | {100 * gn / bwn:.0f}% | {'experts' if (rows, k) in EXPERT_SHAPES else 'rows'} |")
+
+
+if __name__ == "__main__":
+    main()
