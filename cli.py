@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def _tokens(s: str) -> list[int]:
@@ -15,29 +14,37 @@ def _tokens(s: str) -> list[int]:
 
 
 def cmd_generate(a) -> int:
-    from strata.engine import Engine
+    import uvloop
+
+    from strata.engine import Engine, EngineError
     from strata.sampling import SamplingParams
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                             max_tokens=a.max_tokens, stop_at_eos=not a.ignore_eos)
-    eng = Engine.open_sync(a.model)
-    t0 = time.perf_counter()
-    marks = {}
 
     def progress(done: int, total: int) -> None:
-        marks["prompt"] = (done, time.perf_counter() - t0)
-        if done == total or done % 16 == 0:
-            print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+        print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    n = 0
-    for delta, tok in eng.generate_sync(a.prompt, params, progress):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-        n += tok is not None
-    t = time.perf_counter() - t0
-    pn, pt = marks.get("prompt", (0, 0.0))
-    print(file=sys.stdout)
-    print(f"prompt: {pn} tokens, {pn / max(pt, 1e-9):.1f} tok/s | generation: {n} tokens, "
-          f"{n / max(t - pt, 1e-9):.1f} tok/s", file=sys.stderr)
+    async def run() -> None:
+        async with await Engine.open(a.model, backend=a.backend, trace=a.trace) as eng:
+            async for c in eng.generate(a.prompt, params, progress=progress):
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+        t = c.timings
+        print(file=sys.stdout)
+        print(f"prompt: {c.prompt_tokens} tokens, {t.prefill_tok_s:.1f} tok/s | generation: {c.index} tokens, "
+              f"{t.decode_tok_s:.1f} tok/s ({c.finish_reason})", file=sys.stderr)
+
+    try:
+        uvloop.run(run())
+    except EngineError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_trace(a) -> int:
+    from strata.host.trace import format_summary, load, summarize
+    print(format_summary(summarize(load(a.file))))
     return 0
 
 
@@ -87,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    g.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--trace", metavar="FILE", help="write per-token latency traces here (JSON lines)")
     g.set_defaults(fn=cmd_generate)
+
+    tr = sub.add_parser("trace", help="summarize a --trace file: where each token's time went")
+    tr.add_argument("file")
+    tr.set_defaults(fn=cmd_trace)
 
     lg = sub.add_parser("logits", help="teacher-forced logits of a token sequence to a .npy file")
     lg.add_argument("model")

@@ -1,33 +1,95 @@
-"""Engine: open a model file and run it. Teacher-forced logits here; generation goes through strata.host."""
+"""Engine: open a model file and run it. Teacher-forced reference logits, and generation through the token loop.
+
+    engine = await Engine.open(path, backend="cpu")                 # or Engine.open_sync(path, ...) in a script
+    async for chunk in engine.generate("Once upon a time", SamplingParams(max_tokens=32)):
+        print(chunk.text, end="")                                   # chunk.finish_reason on the last one
+    text = engine.generate_text("Once upon a time")                 # sync wrapper (not inside a running loop)
+
+The async layer is a thin shell over strata.host.scheduler: generate() is one request's collector; cancelling or
+closing it aborts the request and frees its state. An engine failure reaches every open stream as EngineError.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from strata.host.backend import Backend, CpuBackend
+from strata.host.scheduler import (EngineClosed, EngineError, Finished, HostConfig, PollPolicy, Progress, Scheduler,
+                                   Timings, TokenOut)
+from strata.host.trace import Tracer
 from strata.model.loader import Model, load_model
 from strata.reference.model import RefModel, StageDump
+from strata.sampling import SamplingParams
 from strata.tokenizer import Tokenizer
+
+__all__ = ["Chunk", "Engine", "EngineClosed", "EngineError", "HostConfig", "PollPolicy", "Timings"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One step of a generation stream: a token's text delta, or (the last chunk) the finish."""
+    text: str                      # text delta; never splits a UTF-8 character
+    token: int | None              # the generated token id; None on the final chunk
+    index: int                     # this token's index among the generated; the final chunk: how many there were
+    prompt_tokens: int
+    finish_reason: str | None      # None, then "eos" or "length" on the final chunk
+    timings: Timings               # prefill tok/s, decode tok/s, mean ms per token by stage
+
+
+def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Backend:
+    if not isinstance(backend, str):
+        return backend
+    if backend == "cpu":
+        return CpuBackend(model)
+    if backend == "cuda":
+        from strata.cuda.backend import CudaBackend  # lazily: cuda-bindings only where there is a GPU
+        # experts stay in host memory; the VRAM left after the dense weights becomes the expert cache
+        return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts="host",
+                           doorbell_timeout_s=host.poll.timeout_s, log=lambda s: print(s, file=sys.stderr))
+    raise ValueError(f"unknown backend '{backend}': choose 'cpu' or 'cuda'")
+
+
+def _resolve(path: str | os.PathLike | None) -> str | os.PathLike:
+    if path is None:
+        from strata.default_model import default_model_path
+        return default_model_path()
+    return path
 
 
 class Engine:
-    """One loaded model: weights mapped from the GGUF, its tokenizer, and the reference stages over them."""
+    """One loaded model: weights mapped from the GGUF, its tokenizer, the reference stages over them (logits), and
+    the token loop over a backend (generate). The backend and scheduler live on the event loop that first uses them."""
 
-    def __init__(self, model: Model, exact: bool = False):
+    def __init__(self, model: Model, exact: bool = False, *, backend: str | Backend = "cpu",
+                 host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self.ref = RefModel(model.weights)
         self.exact = exact
+        self.backend = make_backend(backend, model, host)
+        self.scheduler = Scheduler(model, self.backend, host, Tracer(os.fspath(trace) if trace else None), exact)
+        self._loop: asyncio.AbstractEventLoop | None = None        # the sync wrappers' own loop
 
     @classmethod
-    def open_sync(cls, path: str | os.PathLike | None = None, *, exact: bool = False) -> "Engine":
-        if path is None:
-            from strata.default_model import default_model_path
-            path = default_model_path()
-        return cls(load_model(path, exact=exact), exact=exact)
+    def open_sync(cls, path: str | os.PathLike | None = None, *, exact: bool = False, backend: str | Backend = "cpu",
+                  host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None) -> "Engine":
+        return cls(load_model(_resolve(path), exact=exact), exact=exact, backend=backend, host=host, trace=trace)
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike | None = None, *, exact: bool = False,
+                   backend: str | Backend = "cpu", host: HostConfig = HostConfig(),
+                   trace: str | os.PathLike | None = None) -> "Engine":
+        """Parse and check the file on a thread; the backend is made on the calling (loop) thread, which is where
+        it will be called from (a CUDA context is per thread)."""
+        model = await asyncio.to_thread(lambda: load_model(_resolve(path), exact=exact))
+        return cls(model, exact=exact, backend=backend, host=host, trace=trace)
 
     def check_tokens(self, tokens: Sequence[int]) -> list[int]:
         out = []
@@ -51,23 +113,92 @@ class Engine:
                 progress(i + 1, len(tokens))
         return out
 
-    def generate_sync(self, prompt: str | Sequence[int], params, progress=None):
-        """Yield (text delta, token id) for each generated token; stops at EOS (if asked) or max_tokens."""
-        from strata.sampling import Sampler
-        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        tokens = self.check_tokens(tokens)
-        st = self.ref.new_state()
-        sampler, text = Sampler(params), self.tokenizer.stream()
-        for i, t in enumerate(tokens):
-            logits = self.ref.step(st, t)
-            if progress:
-                progress(i + 1, len(tokens))
-        for _ in range(params.max_tokens):
-            tok = sampler(logits)
-            if params.stop_at_eos and tok == self.tokenizer.eos_id:
-                break
-            yield text.push(tok), tok
-            logits = self.ref.step(st, tok)
-        tail = text.flush()
-        if tail:
-            yield tail, None
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: text is encoded (BOS first when the vocabulary asks for it), ids are checked."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if self.tokenizer.add_bos:
+                ids = [self.tokenizer.bos_id, *ids]
+            prompt = ids
+        return self.check_tokens(prompt)
+
+    # ---- the async API -------------------------------------------------------------------------------------------
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       progress: Callable[[int, int], None] | None = None) -> AsyncIterator[Chunk]:
+        """Stream a completion: one Chunk per generated token, then a final Chunk with the finish reason.
+        `progress(done, total)` is called as prompt tokens are processed (one at a time, through the same loop)."""
+        params = params or SamplingParams()
+        ids = self.prompt_ids(prompt)
+        req = self.scheduler.submit(ids, params, frozenset({self.tokenizer.eos_id}))
+        text = self.tokenizer.stream()
+        try:
+            while True:
+                ev = await req.next()
+                if isinstance(ev, Progress):
+                    if progress:
+                        progress(ev.done, ev.total)
+                elif isinstance(ev, TokenOut):
+                    yield Chunk(text.push(ev.token), ev.token, ev.index, len(ids), None, ev.timings)
+                elif isinstance(ev, Finished):
+                    yield Chunk(text.flush(), None, ev.generated, len(ids), ev.reason, ev.timings)
+                    return
+        finally:
+            self.scheduler.abort(req)
+
+    async def score(self, tokens: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits (n_tokens, n_vocab) float32 computed by the token loop over the backend."""
+        return await self.scheduler.score(self.check_tokens(tokens))
+
+    async def aclose(self) -> None:
+        await self.scheduler.aclose()
+
+    async def __aenter__(self) -> "Engine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ---- the sync wrappers, for scripts --------------------------------------------------------------------------
+    def _sync_loop(self) -> asyncio.AbstractEventLoop:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("generate_text/generate_iter block; inside async code use `async for chunk in "
+                               "engine.generate(...)`")
+        if self._loop is None:
+            import uvloop
+            self._loop = uvloop.new_event_loop()
+        return self._loop
+
+    def generate_iter(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                      progress: Callable[[int, int], None] | None = None) -> Iterator[Chunk]:
+        """generate() as a plain iterator (runs the engine's own event loop while it waits)."""
+        loop = self._sync_loop()
+        agen = self.generate(prompt, params, progress=progress)
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(agen.aclose())
+
+    def generate_text(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> str:
+        return "".join(c.text for c in self.generate_iter(prompt, params))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.run_until_complete(self.scheduler.aclose())
+            self._loop.close()
+            self._loop = None
+        else:
+            self.scheduler.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

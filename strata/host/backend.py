@@ -11,10 +11,15 @@
                                       replacing whatever the slot held; the host's cache policy picks the slot
     launch_post(seq, l, parts, mask)  start post[l] with the host's expert outputs for the rows where mask is False
     launch_head(seq) / poll_logits    the final mixer and LM head
+    max_seqs                          how many sequences may be live at once (None: no limit); the scheduler
+                                      queues requests beyond it
 
 The scheduler never touches device memory and never blocks on the device: it polls. A backend raises
 `BackendError` from any call once the device has failed; the scheduler turns it into an error on every open
 stream. `CpuBackend` runs the numpy reference stages on one worker thread, with a future as the doorbell.
+What strata.host.scheduler relies on: every call comes from one thread (its event loop's); a Route's arrays are
+read before launch_post of the same layer; `parts` is a fresh array per launch_post, never touched again by the
+host; load_expert's wall time is what the host's cost model counts as an upload.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Route:
 class Backend(Protocol):
     cfg: ModelConfig
     name: str
+    max_seqs: int | None
 
     def new_seq(self, dump: StageDump | None = None) -> object: ...
     def free_seq(self, seq: object) -> None: ...
@@ -80,6 +86,7 @@ class CpuBackend:
     """
 
     name = "cpu"
+    max_seqs = None
 
     def __init__(self, model: Model):
         self.cfg = model.cfg

@@ -1,0 +1,106 @@
+"""Host scheduler benchmark: decode a fixed number of tokens through the token loop and print where the time went.
+
+    python bench/bench_host.py --model flash.gguf --backend cuda --vram-budget-gib 24 --tokens 64 --trace t.jsonl
+
+Prints decode ms/token and tok/s, the VRAM cache hit rate, the trace breakdown of the measured request (the same
+table as `cli.py trace`), the Python host overhead per token and the expert bandwidth achieved. A warm-up request
+runs first (numba compilation, first reads, cache fill); --preload reads every expert into host memory before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.engine import Engine, HostConfig  # noqa: E402  (after the path line: runs from a checkout)
+from strata.host.trace import format_summary, load, summarize  # noqa: E402
+from strata.sampling import SamplingParams  # noqa: E402
+
+GIB = 1 << 30
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="GGUF file")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--vram-budget-gib", type=float, default=24.0, help="VRAM expert cache budget (default 24)")
+    p.add_argument("--host-budget-gib", type=float, default=None,
+                   help="expert blobs kept in RAM (default: all experts, at most half the RAM)")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens measured (default 64)")
+    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up request (default 8)")
+    p.add_argument("--prompt", default="The lighthouse stood at the end of a long stone pier")
+    p.add_argument("--cpu-threads", type=int, default=None, help="CPU expert pool threads (default: one per core)")
+    p.add_argument("--preload", action="store_true", help="read every expert into host memory first")
+    p.add_argument("--trace", help="write the JSON-lines trace here (default: a temporary file)")
+    a = p.parse_args(argv)
+    if a.tokens < 2:
+        p.error("--tokens must be at least 2 (decode speed is measured between tokens)")
+    return a
+
+
+async def preload(e: Engine) -> None:
+    """Every expert blob into the host store, a layer at a time (the reads run on the I/O pool)."""
+    s = e.scheduler
+    t0, n = time.perf_counter(), 0
+    for il in range(e.cfg.n_layer):
+        futs = [s.store.fetch(il, x) for x in range(e.cfg.n_expert)]
+        for f in futs:
+            n += (await asyncio.wrap_future(f)).nbytes
+    print(f"preload: {n / GIB:.2f} GiB of experts in {time.perf_counter() - t0:.1f} s, "
+          f"{len(s.store)} blobs held ({s.store.bytes / GIB:.2f} GiB)")
+
+
+async def run(a: argparse.Namespace, trace: str) -> None:
+    host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * GIB),
+                      host_budget_bytes=None if a.host_budget_gib is None else int(a.host_budget_gib * GIB),
+                      cpu_threads=a.cpu_threads)
+    t0 = time.perf_counter()
+    async with await Engine.open(a.model, backend=a.backend, host=host, trace=trace) as e:
+        s, cfg = e.scheduler, e.cfg
+        print(f"model: {a.model} ({cfg.n_layer} layers, {cfg.n_expert} experts top-{cfg.n_expert_used}, "
+              f"E {cfg.n_embd}); backend {e.backend.name}, {s.cache.slots} VRAM expert slots, budget "
+              f"{a.vram_budget_gib:g} GiB; host store {s.store.budget / GIB:.1f} GiB; CPU pool {s.pool.n_threads} "
+              f"threads; opened in {time.perf_counter() - t0:.1f} s")
+        if a.preload:
+            await preload(e)
+        async for _ in e.generate(a.prompt, SamplingParams(max_tokens=a.warmup, stop_at_eos=False)):
+            pass
+        hits0, looks0 = sum(s.cache.hits.values()), sum(s.cache.lookups.values())
+        times = []
+        async for c in e.generate(a.prompt, SamplingParams(max_tokens=a.tokens, stop_at_eos=False)):
+            times.append(time.perf_counter())
+        hits, looks = sum(s.cache.hits.values()) - hits0, sum(s.cache.lookups.values()) - looks0
+    dec = (times[-2] - times[0]) / (len(times) - 2)       # between generated tokens (the last chunk is the finish)
+    t = c.timings
+    print(f"prefill: {c.prompt_tokens} tokens, {t.prefill_tok_s:.1f} tok/s")
+    print(f"decode: {a.tokens} tokens, {dec * 1e3:.3f} ms/token, {1 / dec:.2f} tok/s")
+    print(f"VRAM expert cache: hit rate {hits / looks if looks else 0:.1%} in the measured request "
+          f"({hits}/{looks}), {s.cache.uploads} uploads in all, {len(s.cache)} experts resident "
+          f"({s.cache.bytes / GIB:.2f} GiB)")
+    recs = load(trace)
+    measured = max(r["req"] for r in recs)               # the last request is the measured one
+    phases = summarize([r for r in recs if r["req"] == measured])
+    print(format_summary(phases))
+    d = next((p for p in phases if p.phase == "decode"), None)
+    if d is not None:
+        print(f"host overhead: {d.host_ms:.3f} ms/token ({d.host_ms / d.ms['total']:.1%} of the wall); experts "
+              f"{d.expert_bytes / 1e6:.1f} MB/token at {d.expert_bytes / d.ms['total'] / 1e6:.2f} GB/s")
+    print(f"trace: {trace}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    import uvloop
+    trace = a.trace or tempfile.NamedTemporaryFile(prefix="strata-trace-", suffix=".jsonl", delete=False).name
+    uvloop.run(run(a, trace))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Latency traces of the token loop: one structlog JSON line per token step, and the table `cli.py trace` prints.
+
+A step record partitions the driver's timeline. The driver awaits one thing at a time, so its spans (the pre and
+post graphs, the doorbell, the waits for I/O, the CPU pool and uploads, sampling) never overlap, and the table's
+residual 'other/host' makes the parts sum to the step's wall time exactly. I/O reads and CPU-pool batches run
+in threads beside the driver; their intervals are listed separately and the summary measures how much of them
+overlapped a device interval (hidden work). Times are ms since the process's trace origin, rounded to 1 us.
+
+    {"event": "step", "req": 1, "pos": 3, "phase": "prompt" | "decode", "token": 17, "t0": ms, "t1": ms,
+     "spans":   [[kind, layer, t0, t1], ...],                          # the driver, in order; layer -1: none
+     "io":      [[kind ("ple" | "expert"), bytes, t0, t1], ...],       # reads, measured in the I/O threads
+     "cpu":     [[layer, n_experts, weight_bytes, t0, t1], ...],       # CPU-pool batches, first start to last end
+     "experts": [[layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes], ...]}
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+_ORIGIN = time.perf_counter()
+
+# span kinds: what the driver was doing, in the table's order; DEVICE spans are device intervals as the host saw
+# them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
+DEVICE = ("pre_launch", "doorbell", "post_launch", "post_wait", "head_launch", "head_wait")
+WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload")
+HOST = ("sample",)
+KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "post_launch", "post_wait",
+         "head_launch", "head_wait", "sample")
+LABELS = {
+    "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch", "doorbell": "pre graph: doorbell wait",
+    "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
+    "post_launch": "post graph: launch", "post_wait": "post graph: wait", "head_launch": "head: launch",
+    "head_wait": "head: wait", "sample": "sample + detokenize", "other": "other/host (residual)",
+}
+
+
+def clock() -> float:
+    """Seconds on the trace clock (perf_counter, shared by every thread)."""
+    return time.perf_counter()
+
+
+def _ms(t: float) -> float:
+    return round((t - _ORIGIN) * 1e3, 3)
+
+
+@dataclass
+class StepTrace:
+    """What one token step of one request did; filled by the driver, emitted when the step ends."""
+    req: int
+    pos: int
+    phase: str
+    token: int
+    t0: float
+    t1: float = 0.0
+    # clock seconds while the step runs (the hot path appends only); ms when recorded
+    spans: list = field(default_factory=list)     # (kind, layer, t0, t1)
+    io: list = field(default_factory=list)        # (kind, bytes, t0, t1)
+    cpu: list = field(default_factory=list)       # (layer, n, bytes, t0, t1)
+    experts: list = field(default_factory=list)   # (layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes)
+
+    def span(self, kind: str, layer: int, t0: float, t1: float) -> None:
+        self.spans.append((kind, layer, t0, t1))
+
+    def read(self, kind: str, nbytes: int, t0: float, t1: float) -> None:
+        self.io.append((kind, nbytes, t0, t1))
+
+    def cpu_batch(self, layer: int, n: int, nbytes: int, t0: float, t1: float) -> None:
+        self.cpu.append((layer, n, nbytes, t0, t1))
+
+    def layer_experts(self, layer: int, routed: int, hits: int, cpu: int, fetched: int, cpu_bytes: int,
+                      fetched_bytes: int) -> None:
+        self.experts.append((layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes))
+
+    def by_kind(self) -> dict[str, float]:
+        """Seconds per span kind."""
+        out: dict[str, float] = defaultdict(float)
+        for kind, _, t0, t1 in self.spans:
+            out[kind] += t1 - t0
+        return out
+
+    def record(self) -> dict:
+        return {"req": self.req, "pos": self.pos, "phase": self.phase, "token": self.token, "t0": _ms(self.t0),
+                "t1": _ms(self.t1), "spans": [[k, l, _ms(a), _ms(b)] for k, l, a, b in self.spans],
+                "io": [[k, n, _ms(a), _ms(b)] for k, n, a, b in self.io],
+                "cpu": [[l, n, b, _ms(t0), _ms(t1)] for l, n, b, t0, t1 in self.cpu],
+                "experts": [list(e) for e in self.experts]}
+
+
+class Tracer:
+    """Writes step records as JSON lines through structlog when given a file; otherwise records nothing."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self._file: io.TextIOBase | None = open(path, "w", encoding="utf-8") if path else None
+        self._log = (structlog.wrap_logger(structlog.WriteLogger(self._file),
+                                           processors=[structlog.processors.JSONRenderer()])
+                     if self._file else None)
+
+    def emit(self, step: StepTrace) -> None:
+        if self._log is not None:
+            self._log.info("step", **step.record())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = self._log = None
+
+
+# ---- the summary ------------------------------------------------------------------------------------------------
+
+def load(path: str) -> list[dict]:
+    """The step records of a trace file (other events are skipped); ValueError naming the line when broken."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+            if rec.get("event") == "step":
+                out.append(rec)
+    return out
+
+
+def union(ivs: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted disjoint intervals covering the same time as `ivs`."""
+    out: list[list[float]] = []
+    for a, b in sorted(ivs):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two unions (each sorted and disjoint)."""
+    i = j = 0
+    tot = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        tot += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+@dataclass
+class PhaseSummary:
+    phase: str
+    tokens: int
+    ms: dict[str, float]          # mean ms per token by span kind, plus "other" and "total"
+    device_ms: float
+    wait_ms: float
+    host_ms: float                # total - device - waits: the Python host overhead per token
+    io_ms: float                  # per token: time some read was in flight
+    io_hidden_ms: float           # ... of which a device interval was running
+    io_bytes: float
+    cpu_ms: float                 # per token: time the CPU pool was busy
+    cpu_hidden_ms: float
+    routed: int
+    hits: int
+    cpu_experts: int
+    fetched: int
+    expert_bytes: float           # per token: weight bytes the CPU pool read plus bytes uploaded
+
+
+def summarize(records: list[dict]) -> list[PhaseSummary]:
+    device = union((s[2], s[3]) for r in records for s in r["spans"] if s[0] in DEVICE)
+    out = []
+    for phase in ("prompt", "decode"):
+        rs = [r for r in records if r["phase"] == phase]
+        if not rs:
+            continue
+        n = len(rs)
+        sums = defaultdict(float)
+        for r in rs:
+            sums["total"] += r["t1"] - r["t0"]
+            for kind, _, a, b in r["spans"]:
+                sums[kind] += b - a
+        ms = {k: sums[k] / n for k in KINDS}
+        ms["total"] = sums["total"] / n
+        ms["other"] = ms["total"] - sum(ms[k] for k in KINDS)
+        dev = sum(ms[k] for k in DEVICE)
+        wait = sum(ms[k] for k in WAITS)
+        io_u = union((x[2], x[3]) for r in rs for x in r["io"])
+        cpu_u = union((x[3], x[4]) for r in rs for x in r["cpu"])
+        ex = [e for r in rs for e in r["experts"]]
+        out.append(PhaseSummary(
+            phase, n, ms, dev, wait, ms["total"] - dev - wait,
+            sum(b - a for a, b in io_u) / n, overlap(io_u, device) / n, sum(x[1] for r in rs for x in r["io"]) / n,
+            sum(b - a for a, b in cpu_u) / n, overlap(cpu_u, device) / n,
+            sum(e[1] for e in ex), sum(e[2] for e in ex), sum(e[3] for e in ex), sum(e[4] for e in ex),
+            sum(e[5] + e[6] for e in ex) / n))
+    return out
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * a / b:5.1f}%" if b > 0 else "    -"
+
+
+def format_summary(phases: list[PhaseSummary]) -> str:
+    if not phases:
+        return "no token steps in the trace"
+    lines = []
+    for p in phases:
+        lines.append(f"{p.phase}: {p.tokens} tokens, {p.ms['total']:.3f} ms/token "
+                     f"({1e3 / p.ms['total'] if p.ms['total'] > 0 else 0:.1f} tok/s)")
+        lines.append(f"  {'stage':32s} {'ms/token':>10s} {'share':>7s}")
+        for k in (*KINDS, "other"):
+            lines.append(f"  {LABELS[k]:32s} {p.ms[k]:10.3f} {_pct(p.ms[k], p.ms['total']):>7s}")
+        lines.append(f"  {'total (measured wall)':32s} {p.ms['total']:10.3f} {_pct(1, 1):>7s}")
+        lines.append(f"  device {p.device_ms:.3f} ms + waits {p.wait_ms:.3f} ms + host overhead {p.host_ms:.3f} ms "
+                     f"(wall - device - waits) per token")
+        lines.append(f"  I/O: {p.io_bytes / 1e3:.1f} kB/token, in flight {p.io_ms:.3f} ms/token, hidden behind device "
+                     f"{p.io_hidden_ms:.3f} ms ({_pct(p.io_hidden_ms, p.io_ms).strip()})")
+        lines.append(f"  CPU pool: busy {p.cpu_ms:.3f} ms/token, hidden behind device {p.cpu_hidden_ms:.3f} ms "
+                     f"({_pct(p.cpu_hidden_ms, p.cpu_ms).strip()})")
+        lines.append(f"  experts: {p.routed / p.tokens:.1f} routed/token: VRAM hits {_pct(p.hits, p.routed).strip()}, "
+                     f"CPU {p.cpu_experts / p.tokens:.1f}/token, fetched to VRAM {p.fetched / p.tokens:.1f}/token, "
+                     f"{p.expert_bytes / 1e6:.2f} MB/token")
+    return "\n".join(lines)

@@ -1,0 +1,223 @@
+"""The token loop over the CPU backend: its logits equal the reference's teacher-forced logits exactly, token by
+token, through every expert path (CPU pool, VRAM cache hits, uploads, host-memory evictions); the one-layer-stale
+expert mistake fails that check; the cache policy and cost split behave."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from strata.engine import Engine
+from strata.host.backend import CpuBackend
+from strata.host.experts import CpuExpertPool, ExpertBlob, ExpertSlice, MissCosts, VramCache
+from strata.host.scheduler import HostConfig, Scheduler
+from strata.model.loader import load_model
+from strata.model.weights import Mat
+from strata.quant import QType, random_blocks, row_bytes
+from strata.reference.moe import expert_ffn
+
+# tiny preset: vocab 512, EOS 500; EOS mid-sequence (twice back to back) cuts the PLE n-grams
+TOKENS = [3, 17, 500, 42, 99, 500, 500, 7, 311, 12, 260, 5, 88, 401, 23, 64]
+
+
+@pytest.fixture(scope="module")
+def realistic_gguf(tmp_path_factory):
+    """The tiny geometry in the realistic type mix: Q2_0 gate/up experts, Q8_0 down, BF16 PLE table."""
+    from strata.model.synth import make_model
+    path = tmp_path_factory.mktemp("tiny-realistic") / "tiny.gguf"
+    make_model("tiny", path, seed=1, mix="realistic", log=lambda s: None)
+    return path
+
+
+class VramOnCpu(CpuBackend):
+    """The CPU backend with an expert cache: uploaded blobs are computed here from the uploaded bytes, as a GPU
+    computes its hits, so a wrong slice or slot changes the logits."""
+
+    def __init__(self, model, slots: int):
+        super().__init__(model)
+        self.slots: list = [None] * slots
+        self.where: dict[tuple[int, int], int] = {}
+
+    def expert_slots(self) -> int:
+        return len(self.slots)
+
+    def resident(self, layer, ids):
+        return np.array([(layer, int(e)) in self.where for e in ids], bool)
+
+    def load_expert(self, layer, expert, slot, gate, up, down):
+        if self.slots[slot] is not None:
+            del self.where[self.slots[slot][0]]
+        self.slots[slot] = ((layer, expert), gate.copy(), up.copy(), down.copy())
+        self.where[(layer, expert)] = slot
+
+    def launch_post(self, seq, layer, parts, resident):
+        parts = parts.copy()
+        lw = self.ref.w.layers[layer]
+        for j in np.flatnonzero(resident):
+            e = int(seq.pre.ids[j])
+            _, *raws = self.slots[self.where[(layer, e)]]
+            mats = [Mat(m.name, m.qtype, raw.view(np.float32) if m.qtype == QType.F32 else raw, m.n_out, m.n_in,
+                        1, m.exact) for m, raw in zip(lw.expert(e), raws)]
+            parts[j] = expert_ffn(*mats, seq.pre.x)
+        self._run(seq, self.ref.post, seq.st, layer, seq.pre, parts)
+
+
+async def assert_parity(sched: Scheduler, ref: Engine, tokens: list[int]) -> None:
+    got, want = await sched.score(tokens), ref.logits(tokens)
+    for i in range(len(tokens)):
+        assert np.array_equal(got[i], want[i]), \
+            f"position {i}: logits differ by up to {np.abs(got[i] - want[i]).max():.3g}"
+
+
+@pytest_asyncio.fixture
+async def tiny_sched(tiny_gguf):
+    model = load_model(tiny_gguf)
+    sched = Scheduler(model, CpuBackend(model))
+    yield sched
+    await sched.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mix,exact", [("f32", False), ("realistic", False), ("realistic", True)])
+async def test_loop_logits_equal_teacher_forced(mix, exact, tiny_gguf, realistic_gguf):
+    path = tiny_gguf if mix == "f32" else realistic_gguf
+    model = load_model(path, exact=exact)
+    sched = Scheduler(model, CpuBackend(model), exact=exact)
+    try:
+        await assert_parity(sched, Engine.open_sync(path, exact=exact), TOKENS)
+        assert sched.store.reads > 0 and sched.cache.hit_rate() == 0.0   # every expert went through the pool
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("slots,budget_blobs,host_blobs", [(6, 5, None), (3, 3, 2), (64, 64, None)])
+async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, realistic_gguf):
+    """Hits, uploads, evictions (a cache smaller than one layer's routing included) and a host store that must
+    re-read blobs: the logits stay exact. How misses split depends on measured costs (timing); the first miss
+    of each layer is always uploaded (to measure the path), so uploads happen, and with room for every expert
+    (64 slots) nothing is evicted and hits must follow."""
+    model = load_model(realistic_gguf)
+    sched0 = Scheduler(model, CpuBackend(model))
+    blob = sched0.layout.blob_bytes(0)
+    await sched0.aclose()
+    host = HostConfig(vram_budget_bytes=budget_blobs * blob,
+                      host_budget_bytes=None if host_blobs is None else host_blobs * blob)
+    sched = Scheduler(model, VramOnCpu(model, slots), host)
+    try:
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS + TOKENS[:8])
+        assert sched.cache.uploads > 0 and (sched.cache.hit_rate() > 0 or slots < 64)
+        assert len(sched.cache) <= min(slots, budget_blobs) and sched.cache.bytes <= budget_blobs * blob
+        assert any(c is not None for c in sched.costs.cpu_ms) and any(u is not None for u in sched.costs.upload_ms)
+        if host_blobs is not None:
+            assert len(sched.store) <= host_blobs and sched.store.reads > len(sched.store)
+    finally:
+        await sched.aclose()
+
+
+class StaleScheduler(Scheduler):
+    """The seed's bug, injected: post[l] gets the parts computed for the previous layer (one layer stale)."""
+    held = None
+
+    async def _expert_parts(self, il, route, st):
+        parts, resident = await super()._expert_parts(il, route, st)
+        stale, self.held = self.held, parts
+        return (parts if stale is None else stale), resident
+
+
+@pytest.mark.asyncio
+async def test_stale_experts_fail_parity(tiny_gguf):
+    model, ref = load_model(tiny_gguf), Engine.open_sync(tiny_gguf)
+    for cls, ok in ((Scheduler, True), (StaleScheduler, False)):
+        sched = cls(model, CpuBackend(model))
+        try:
+            if ok:
+                await assert_parity(sched, ref, TOKENS[:6])
+            else:
+                with pytest.raises(AssertionError, match="logits differ"):
+                    await assert_parity(sched, ref, TOKENS[:6])
+        finally:
+            await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_prompt_reads_run_ahead(tiny_sched):
+    """A prompt token's PLE rows are read a whole step early: position i's reads start before token i-1 begins."""
+    log = []
+    be, ple = tiny_sched.backend, tiny_sched.ple
+    real_start, real_begin = ple.start, be.begin
+    ple.start = lambda rows: (log.append("read"), real_start(rows))[1]
+    be.begin = lambda seq, token, e: (log.append("begin"), real_begin(seq, token, e))[1]
+    await tiny_sched.score(TOKENS[:5])
+    reads = [i for i, x in enumerate(log) if x == "read"]
+    begins = [i for i, x in enumerate(log) if x == "begin"]
+    assert len(reads) == len(begins) == 5
+    assert all(reads[i] < begins[i - 1] for i in range(1, 5))
+
+
+@pytest.mark.asyncio
+async def test_requests_leave_no_state(tiny_sched):
+    for n in (1, 3):
+        await tiny_sched.score(TOKENS[:n])
+    await tiny_sched.idle()
+    assert tiny_sched.live == 0 and tiny_sched.backend.live == 0
+
+
+def test_miss_split_follows_measured_costs():
+    c = MissCosts(2)
+    assert c.n_upload(0, 5, can_upload=False) == 0
+    assert c.n_upload(0, 5, True) == 1                      # uploads unmeasured: one, to measure
+    c.observe_upload(0, 1, 0.004)                           # 4 ms per upload
+    assert c.n_upload(0, 5, True) == 4                      # CPU unmeasured: it gets one
+    c.observe_cpu(0, 2, 0.002)                              # 1 ms per expert on the CPU
+    assert c.n_upload(0, 5, True) == 1                      # max(4 x 1, 1 x 4) beats every other split
+    for _ in range(40):
+        c.observe_cpu(0, 1, 0.016)                          # the CPU slows to 16 ms: estimates follow
+    assert c.n_upload(0, 5, True) == 4
+    assert c.n_upload(1, 0, True) == 0
+
+
+def test_vram_cache_policy():
+    cache = VramCache(slots=3, budget_bytes=250)
+    assert cache.place(0, 1, 100, keep={1, 2}) is not None
+    assert cache.place(0, 2, 100, keep={1, 2}) is not None
+    assert cache.place(0, 3, 100, keep={1, 2, 3}) is None                  # the budget, and both are in use
+    cache.record(1, [7], [False])
+    assert cache.place(1, 7, 100, keep={7}) is not None                    # layer 0's experts may go now
+    assert len(cache) == 2 and cache.bytes == 200
+    assert (0, 1) not in cache._lru and (0, 2) in cache._lru                # least recently used went first
+    cache.record(0, [2, 5], [True, False])
+    assert cache.hits[0] == 1 and cache.lookups[0] == 2 and cache.lookups[1] == 1
+    assert cache.place(0, 9, 300, keep=set()) is None                      # larger than the whole budget
+
+
+@pytest.mark.parametrize("n_experts,threads", [(1, 4), (3, 8), (5, 2)])
+def test_cpu_pool_row_splits_match_reference(n_experts, threads):
+    """Experts of the real geometry (Q2_0, F 640, E 2560) split over rows and threads give exactly the reference
+    expert's output; blobs that arrive late (reads still running) are waited for."""
+    from concurrent.futures import Future
+    rng = np.random.default_rng(n_experts)
+    E, F = 2560, 640
+    gate = ExpertSlice(QType.Q2_0, F, E, row_bytes(QType.Q2_0, E), 0, 0)
+    down = ExpertSlice(QType.Q2_0, E, F, row_bytes(QType.Q2_0, F), 0, 0)
+    slices = (gate, gate, down)
+    blobs, futs = [], []
+    for e in range(n_experts):
+        b = ExpertBlob(0, e, slices)
+        for view, s in zip((b.gate, b.up, b.down), slices):
+            view[:] = random_blocks(QType.Q2_0, (s.rows, s.n_in), rng, 1 / np.sqrt(s.n_in))
+        blobs.append(b)
+        futs.append(Future())
+    x = rng.normal(size=E).astype(np.float32)
+    pool = CpuExpertPool(threads, exact=False)
+    try:
+        job = pool.run(slices, x, futs)
+        for f, b in zip(futs, blobs):
+            f.set_result(b)
+        res = job.result(timeout=60)
+    finally:
+        pool.close()
+    for j, b in enumerate(blobs):
+        mats = [Mat("m", QType.Q2_0, raw, s.rows, s.n_in) for raw, s in zip((b.gate, b.up, b.down), slices)]
+        assert np.array_equal(res.parts[j], expert_ffn(*mats, x)), f"expert {j}"

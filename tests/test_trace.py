@@ -1,0 +1,76 @@
+"""Latency traces: records partition each step's wall time, the summary's parts sum to the measured total, overlap
+is measured against device intervals, and `cli.py trace` prints the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import cli
+from strata.engine import Engine
+from strata.host.trace import DEVICE, KINDS, WAITS, load, overlap, summarize, union
+from strata.sampling import SamplingParams
+
+
+def test_union_and_overlap():
+    assert union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert overlap([(0, 4), (5, 6)], [(3, 5.5)]) == pytest.approx(1.5)
+    assert overlap([], [(0, 1)]) == 0
+
+
+def _record(t0: float, phase: str = "decode") -> dict:
+    span = lambda k, a, b: [k, 0, t0 + a, t0 + b]
+    return {"event": "step", "req": 1, "pos": 0, "phase": phase, "token": 1, "t0": t0, "t1": t0 + 10,
+            "spans": [span("pre_launch", 0, .1), span("doorbell", .1, 2), span("cpu_wait", 2, 3),
+                      span("post_launch", 3, 3.1), span("post_wait", 3.1, 5), span("head_launch", 5, 5.1),
+                      span("head_wait", 5.1, 6), span("sample", 6, 6.5)],
+            "io": [["ple", 100, t0 + .5, t0 + 2.5]], "cpu": [[0, 2, 1000, t0 + 1.5, t0 + 3.5]],
+            "experts": [[0, 4, 1, 2, 1, 1000, 500]]}
+
+
+def test_summary_of_known_records():
+    (p,) = summarize([_record(0), _record(10)])
+    assert p.tokens == 2 and p.ms["total"] == pytest.approx(10)
+    assert p.ms["other"] == pytest.approx(3.5)
+    assert p.device_ms == pytest.approx(5.0) and p.wait_ms == pytest.approx(1.0)
+    assert p.host_ms == pytest.approx(4.0)                   # sample + other: wall - device - waits
+    assert p.io_ms == pytest.approx(2.0) and p.io_hidden_ms == pytest.approx(1.5)
+    assert p.cpu_ms == pytest.approx(2.0) and p.cpu_hidden_ms == pytest.approx(1.0)
+    assert (p.routed, p.hits, p.cpu_experts, p.fetched) == (8, 2, 4, 2) and p.expert_bytes == pytest.approx(1500)
+
+
+def test_load_names_a_broken_line(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps(_record(0)) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:2"):
+        load(str(f))
+
+
+@pytest.mark.asyncio
+async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    async with await Engine.open(tiny_gguf, trace=path) as e:
+        async for _ in e.generate("Once upon a time", SamplingParams(max_tokens=5, stop_at_eos=False)):
+            pass
+    recs = load(str(path))
+    n_prompt = len(e.prompt_ids("Once upon a time"))
+    assert [r["phase"] for r in recs] == ["prompt"] * n_prompt + ["decode"] * 4
+    for r in recs:
+        spans = r["spans"]
+        assert all(r["t0"] <= a <= b <= r["t1"] for _, _, a, b in spans)
+        assert all(spans[i][3] <= spans[i + 1][2] for i in range(len(spans) - 1)), "driver spans overlap"
+        assert {k for k, *_ in spans} <= set(KINDS)
+        assert sorted({s[1] for s in spans if s[0] == "doorbell"}) == list(range(e.cfg.n_layer))
+        assert [x[0] for x in r["experts"]] == list(range(e.cfg.n_layer))
+        assert any(x[0] == "ple" and x[1] > 0 for x in r["io"])
+    for p in summarize(recs):
+        parts = sum(p.ms[k] for k in KINDS) + p.ms["other"]
+        assert parts == pytest.approx(p.ms["total"], abs=1e-9)
+        assert p.host_ms == pytest.approx(p.ms["total"] - sum(p.ms[k] for k in DEVICE) - sum(p.ms[k] for k in WAITS))
+        assert p.cpu_experts == p.tokens * e.cfg.n_layer * e.cfg.n_expert_used     # the CPU backend: all on the CPU
+
+    assert cli.main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "other/host (residual)" in out and "total (measured wall)" in out and "hidden behind device" in out
+    assert out.count("ms/token") >= 2 and "decode: 4 tokens" in out
