@@ -1,0 +1,238 @@
+"""The whole GPU check and benchmark in one command, phase by phase (each well under 10 minutes):
+
+    python bench/gpu_check.py                   # all phases
+    python bench/gpu_check.py --kernels-only    # pytest tests/test_cuda_kernels.py, nothing else
+    python bench/gpu_check.py --phases model,bench
+
+tests     pytest of tests/test_cuda_kernels.py and tests/test_cuda_backend.py
+model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists
+bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
+          at a short and at a long context (past the QSA budget, so block selection runs), the per-layer protocol
+          (doorbell, host polling) ms/token, a per-stage breakdown from events recorded between stage graphs
+          (their parts sum to that run's total, printed), bytes read per token and the fraction of 4.2 TB/s,
+          and the doorbell's launch-to-host-seen latency (median, p90)
+
+A short table is printed last; everything goes to $OUT/gpu_check.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+HBM_BPS = 4.2e12
+FLASH = ROOT / "models" / "flash.gguf"
+RESULTS: dict = {}
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def phase_tests(files: list[str]) -> None:
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", *files]
+    say("running " + " ".join(cmd[2:]))
+    rc = subprocess.call(cmd, cwd=ROOT)
+    RESULTS["tests"] = {"files": files, "rc": rc, "seconds": round(time.time() - t0, 1)}
+    say(f"tests finished with exit code {rc} in {time.time() - t0:.0f}s")
+    if rc != 0:
+        raise SystemExit(rc)
+
+
+def phase_model() -> None:
+    if FLASH.exists():
+        say(f"reusing {FLASH} ({FLASH.stat().st_size / 2**30:.1f} GiB)")
+        return
+    FLASH.parent.mkdir(exist_ok=True)
+    t0 = time.time()
+    cmd = [sys.executable, "cli.py", "make-model", "--preset", "flash", "--ple-base", "2000000", str(FLASH)]
+    say("making the flash model: " + " ".join(cmd[1:]))
+    rc = subprocess.call(cmd, cwd=ROOT)
+    RESULTS["model"] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
+    if rc != 0:
+        FLASH.unlink(missing_ok=True)
+        raise SystemExit(f"make-model failed with {rc}")
+    say(f"made {FLASH} in {time.time() - t0:.0f}s")
+
+
+class Feeder:
+    """Random tokens and their PLE vectors, as the host would stage them."""
+
+    def __init__(self, model, seed: int = 0):
+        from strata.reference.ple import NgramWindow
+        self.m, self.cfg = model, model.cfg
+        self.rng = np.random.default_rng(seed)
+        self.window = NgramWindow.start(self.cfg) if self.cfg.ple_layers else None
+
+    def next(self) -> tuple[int, np.ndarray | None]:
+        from strata.reference.ple import ple_gather, ple_rows
+        t = int(self.rng.integers(0, self.cfg.n_vocab))
+        e = None
+        if self.window is not None:
+            e = ple_gather(self.m.weights.per_layer_token_embd, ple_rows(self.cfg, t, self.window.prev))
+            self.window.advance(self.cfg, t)
+        return t, e
+
+
+def _wait(poll):
+    while (got := poll()) is None:
+        pass
+    return got
+
+
+def decode_ms(be, seq, feed, n: int) -> np.ndarray:
+    """n tokens through the whole-token graph: GPU ms per token from events around each launch."""
+    from strata.cuda import driver as drv
+    e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
+    out = []
+    for _ in range(n):
+        t, e = feed.next()
+        e0.record(be.stream)
+        be.decode_token(seq, t, e)
+        e1.record(be.stream)
+        _wait(lambda: be.poll_logits(seq))
+        out.append(e1.elapsed_ms(e0))
+    return np.array(out)
+
+
+def protocol_ms(be, seq, feed, n: int) -> np.ndarray:
+    """n tokens through the per-layer protocol (every expert resident): host wall-clock ms per token."""
+    cfg = be.cfg
+    k, E = cfg.n_expert_used, cfg.n_embd
+    parts, mask = np.zeros((k, E), np.float32), np.ones(k, bool)
+    out = []
+    for _ in range(n):
+        t, e = feed.next()
+        t0 = time.perf_counter()
+        be.begin(seq, t, e)
+        for il in range(cfg.n_layer):
+            be.launch_pre(seq, il)
+            _wait(lambda: be.poll_route(seq, il))
+            be.launch_post(seq, il, parts, mask)
+        be.launch_head(seq)
+        _wait(lambda: be.poll_logits(seq))
+        out.append((time.perf_counter() - t0) * 1e3)
+    return np.array(out)
+
+
+def phase_bench(long_ctx: int) -> None:
+    from strata.cuda.backend import CudaBackend
+    from strata.inspect import per_token_bytes
+    from strata.model.loader import load_model
+    if not FLASH.exists():
+        raise SystemExit(f"{FLASH} is missing: run the model phase first")
+    t0 = time.time()
+    model = load_model(FLASH)
+    say(f"opened {FLASH.name} in {time.time() - t0:.1f}s; uploading every weight")
+    be = CudaBackend(model, experts="vram", max_ctx=long_ctx + 256, log=say)
+    res: dict = {"device": be.dev.name, "arena_gib": round(be.A.total / 2**30, 3), "notes": be.notes}
+    try:
+        nbytes = per_token_bytes(model)
+        res["bytes_per_token"] = nbytes
+        feed = Feeder(model)
+        seq = be.new_seq()
+        say("warm-up (5 tokens, excluded)")
+        decode_ms(be, seq, feed, 5)
+        short = decode_ms(be, seq, feed, 40)
+        say(f"whole-token graph, positions 5-44: median {np.median(short):.3f} ms/token")
+        prot = protocol_ms(be, seq, feed, 20)
+        say(f"per-layer protocol (doorbell, host polls): median {np.median(prot):.3f} ms/token")
+        stages = [be.timed_token(seq, *feed.next()) for _ in range(20)]
+        per = defaultdict(float)
+        for run in stages:
+            for label, ms in run:
+                per[label] += ms / len(stages)
+        say(f"filling the context to {long_ctx} tokens")
+        t1 = time.time()
+        while seq.pos < long_ctx:
+            be.decode_token(seq, *feed.next())
+            _wait(lambda: be.poll_logits(seq))
+        say(f"  {time.time() - t1:.1f}s")
+        long = decode_ms(be, seq, feed, 40)
+        say(f"whole-token graph, positions {long_ctx}+: median {np.median(long):.3f} ms/token")
+        be.free_seq(seq)
+        lat = be.measure_doorbell(500) * 1e6
+    finally:
+        be.close()
+    total = nbytes["total"]
+    res.update({
+        "decode_ms_short": {"median": float(np.median(short)), "p90": float(np.percentile(short, 90)), "n": len(short)},
+        "decode_ms_long": {"median": float(np.median(long)), "p90": float(np.percentile(long, 90)), "n": len(long),
+                           "position": long_ctx},
+        "protocol_ms": {"median": float(np.median(prot)), "p90": float(np.percentile(prot, 90)), "n": len(prot)},
+        "stage_ms_mean": dict(per), "stage_ms_sum": float(sum(per.values())),
+        "achieved_fraction_of_4.2TBps_short": total / (np.median(short) * 1e-3) / HBM_BPS,
+        "achieved_fraction_of_4.2TBps_long": total / (np.median(long) * 1e-3) / HBM_BPS,
+        "doorbell_us": {"median": float(np.median(lat)), "p90": float(np.percentile(lat, 90)), "n": len(lat)},
+    })
+    RESULTS["bench"] = res
+
+
+def table() -> str:
+    lines = []
+    b = RESULTS.get("bench")
+    if "tests" in RESULTS:
+        lines.append(f"tests              exit {RESULTS['tests']['rc']} ({RESULTS['tests']['seconds']}s)")
+    if b:
+        tb = b["bytes_per_token"]["total"]
+        lines += [
+            f"device             {b['device']}, arena {b['arena_gib']} GiB",
+            f"bytes/token        {tb / 1e9:.3f} GB (floor at 4.2 TB/s: {tb / HBM_BPS * 1e3:.3f} ms)",
+            f"decode short ctx   {b['decode_ms_short']['median']:.3f} ms/token (p90 {b['decode_ms_short']['p90']:.3f}),"
+            f" {b['achieved_fraction_of_4.2TBps_short'] * 100:.1f}% of 4.2 TB/s",
+            f"decode pos {b['decode_ms_long']['position']:<6d}  {b['decode_ms_long']['median']:.3f} ms/token "
+            f"(p90 {b['decode_ms_long']['p90']:.3f}), {b['achieved_fraction_of_4.2TBps_long'] * 100:.1f}% of 4.2 TB/s",
+            f"per-layer protocol {b['protocol_ms']['median']:.3f} ms/token (host wall clock)",
+            f"doorbell           median {b['doorbell_us']['median']:.1f} us, p90 {b['doorbell_us']['p90']:.1f} us",
+            "stages (mean ms/token over 20 tokens, one graph per stage; the parts sum to the total below):"]
+        for label, ms in sorted(b["stage_ms_mean"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {label:22s} {ms:8.3f}")
+        lines.append(f"  {'sum of the parts':22s} {b['stage_ms_sum']:8.3f}  (whole-token graph: "
+                     f"{b['decode_ms_short']['median']:.3f}; the difference is the gaps between separate graphs)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
+    ap.add_argument("--phases", default="tests,model,bench", help="comma list of tests, model, bench")
+    ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
+    a = ap.parse_args()
+    os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
+    phases = ["kernels"] if a.kernels_only else [p.strip() for p in a.phases.split(",") if p.strip()]
+    try:
+        for p in phases:
+            t0 = time.time()
+            say(f"phase {p}")
+            if p == "kernels":
+                phase_tests(["tests/test_cuda_kernels.py"])
+            elif p == "tests":
+                phase_tests(["tests/test_cuda_kernels.py", "tests/test_cuda_backend.py"])
+            elif p == "model":
+                phase_model()
+            elif p == "bench":
+                phase_bench(a.long_ctx)
+            else:
+                raise SystemExit(f"unknown phase '{p}': tests, model, bench")
+            say(f"phase {p} done in {time.time() - t0:.0f}s")
+    finally:
+        out = os.environ.get("OUT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=float))
+        print("\n" + table(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

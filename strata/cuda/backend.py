@@ -1,0 +1,870 @@
+"""CudaBackend: the Backend protocol (strata.host.backend) on one NVIDIA GPU.
+
+Per layer two captured graphs, with the stage names of strata.reference.model:
+    pre[l]   [ple] -> attn_read -> mixer -> attn_write -> ffn_read -> route (rings the doorbell) -> shared expert
+    post[l]  experts (the VRAM-resident routed ones) -> combine (+ the host's parts, gr_write, the next read's norm)
+and a begin graph (the step words from pinned staging, the embedding row, layer 0's read norm; the PLE vector is
+copied from its staging inside pre[PLE layer], so the host may stage it late: stage_ple), a head graph (final mixer, LM head, logits to pinned memory). With every expert in VRAM a whole-token graph chains
+them all with no host round trip (decode_token).
+
+Everything the graphs touch lives in one arena at fixed addresses; what changes per token (token id, position,
+the doorbell's ring value) is the step block copied from pinned staging inside the begin graph, and what
+changes per layer (which experts the host computed, their outputs, the cache slots of the resident ones) is
+copied from pinned staging before post[l] launches. Kernel arguments never change after capture.
+
+The host never blocks inside the layer loop: poll_route reads the doorbell's mapped sequence word and queries
+an event; post_done and poll_logits query events. One sequence at a time: new_seq refuses a second live one.
+
+Numerics: the f32 path (quant.cuh): weights dequantized in registers, activations and accumulation float32,
+KV cache float32. Every kernel is deterministic (fixed reduction orders, no float atomics), so a replayed graph
+gives the eager launch sequence's bits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial, wraps
+
+import numpy as np
+
+from strata.config import ModelConfig
+from strata.cuda import driver as drv
+from strata.cuda.arena import Arena, DevArray, DevMat
+from strata.cuda.doorbell import Doorbell
+from strata.cuda.driver import CudaError
+from strata.cuda.graphs import Graph
+from strata.cuda.launch import CopyH2D, Launch
+from strata.cuda.weights import Uploader, conversion_note, device_rows, device_type
+from strata.host.backend import BackendError, Route
+from strata.kernels import Kernels
+from strata.kernels import gdn as kgdn
+from strata.kernels import gemv as kgemv
+from strata.kernels import hc as khc
+from strata.kernels import moe as kmoe
+from strata.kernels import ple as kple
+from strata.kernels import qsa as kqsa
+from strata.kernels.gemv import Job, device_row_bytes
+from strata.model.loader import Model
+from strata.quant.formats import QType
+from strata.reference.common import rope_inv_freq
+from strata.reference.model import StageDump
+
+F32, I32, U8 = np.float32, np.int32, np.uint8
+STEP_TOKEN, STEP_POS, STEP_RING = 0, 1, 2       # common.cuh
+POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, host parts (k, E) f32 here
+MEM_MARGIN = 512 << 20                           # device memory left free for the driver and the graphs
+LOAD_STAGING = 4                                 # pinned buffers for load_expert copies in flight
+
+
+class _Later:
+    """A launch built after the arena is committed (its arguments are addresses); built once, shared by the
+    graphs that run it (pre[l] and the whole-token graph)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args, self.value = fn, args, None    # fn(*args) -> a Launch, a CopyH2D or a tuple of them
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.fn(*self.args)
+        return self.value
+
+
+@dataclass
+class _Seq:
+    dump: StageDump | None
+    pos: int = 0
+    phase: str = "idle"          # idle | begun | pre | routed | post | head
+    layer: int = -1
+    route: Route | None = None
+    mask: np.ndarray | None = None
+    parts: np.ndarray | None = None
+    t_pre: float = 0.0
+    ple_ready: bool = False      # this token's PLE vector is in pinned staging (begin or stage_ple)
+    live: bool = True
+
+
+def _guarded(method):
+    """Any failure of a call marks the device failed; later calls say so instead of touching it again."""
+    @wraps(method)
+    def call(self, *args, **kwargs):
+        if self._failed is not None:
+            raise BackendError(f"{method.__name__}: the device failed earlier: {self._failed}")
+        try:
+            return method(self, *args, **kwargs)
+        except CudaError as e:
+            self._failed = str(e)
+            raise
+    return call
+
+
+class CudaBackend:
+    name = "cuda"
+    max_seqs = 1          # one sequence at a time on the GPU: the state buffers exist once
+
+    def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
+                 experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0, log=print):
+        """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
+        experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
+        as many as vram_budget_bytes leaves room for (no budget: none, every expert is the host's)."""
+        if experts not in ("vram", "host"):
+            raise BackendError(f"CudaBackend: experts={experts!r}: 'vram' or 'host'")
+        self._failed: str | None = None
+        self.cfg: ModelConfig = model.cfg
+        self.experts, self.graphs, self.max_ctx, self.timeout = experts, graphs, int(max_ctx), doorbell_timeout_s
+        self.log = log
+        cfg, W = self.cfg, model.weights
+        self.dev = drv.Device.open()
+        self.stream, self.side = drv.Stream(), drv.Stream()
+        t0 = time.time()
+        self.kern = Kernels(self.dev.arch)
+        log(f"strata.cuda: {self.dev.name} (sm_{self.dev.arch}, {self.dev.n_sm} SMs); kernels ready in "
+            f"{time.time() - t0:.1f}s")
+        self.nsplit = 64
+        self.notes: list[str] = []
+        self._uploads: list[tuple[DevArray, object]] = []
+        self._mats: dict[int, DevMat] = {}
+        self.A = Arena()
+        self._plan_weights(W)
+        self._plan_buffers()
+        self._plan_experts(W, vram_budget_bytes, self.A.total)
+        self.db = Doorbell(cfg.n_embd, cfg.n_expert_used)
+        self._plan_launches()
+        free, total = self.dev.mem_info()
+        if self.A.total + MEM_MARGIN > free:
+            raise BackendError(f"CudaBackend: the arena needs {self.A.total / 2**30:.2f} GiB (+{MEM_MARGIN >> 20} MiB "
+                               f"margin), the device has {free / 2**30:.2f} GiB free of {total / 2**30:.2f}")
+        if vram_budget_bytes is not None and self.A.total > vram_budget_bytes:
+            raise BackendError(f"CudaBackend: the model needs {self.A.total / 2**30:.2f} GiB of VRAM with experts="
+                               f"{experts!r}, the budget is {vram_budget_bytes / 2**30:.2f} GiB")
+        self.A.commit()
+        self.A.zero(self.stream)
+        self._upload()
+        for n in self.notes:
+            log(f"strata.cuda: {n}")
+        self._host_buffers()
+        self._build_launches()
+        self.seq: _Seq | None = None
+        self._ring = 1
+        self._g: dict = {}
+        if graphs:
+            self._capture()
+        self.stream.synchronize("setup")
+        log(f"strata.cuda: arena {self.A.total / 2**30:.2f} GiB, experts {experts}"
+            + (f" ({self.n_slots} cache slots)" if experts == "host" else "")
+            + (f", {sum(g.n_nodes for g in self._g.values())} graph nodes" if graphs else ", eager launches")
+            + f", ready in {time.time() - t0:.1f}s")
+
+    # ---- planning: every buffer reserved before the one allocation ----------------------------------------
+    def _vec(self, name: str, arr: np.ndarray) -> DevArray:
+        arr = np.ascontiguousarray(arr, dtype=F32)
+        a = self.A.reserve(name, arr.shape, F32)
+        self._uploads.append((a, arr))
+        return a
+
+    def _mat(self, name: str, m) -> DevMat:
+        """A weight matrix (strata.model.weights.Mat) in its device format; a tied matrix is uploaded once."""
+        if id(m) in self._mats:
+            return self._mats[id(m)]
+        dt = device_type(m.qtype)
+        rb = device_row_bytes(dt, m.n_in)
+        rows = m.n_mat * m.n_out
+        buf = self.A.reserve(name, (rows * rb,), U8)
+        self._uploads.append((buf, partial(device_rows, m.raw, m.qtype, rows, m.n_in)))   # converted at upload
+        note = conversion_note(name, m.qtype)
+        if note:
+            self.notes.append(note)
+        d = DevMat(buf, int(dt), m.n_out, m.n_in, rb, m.n_mat)
+        self._mats[id(m)] = d
+        return d
+
+    def _row_mat(self, name: str, v: np.ndarray) -> DevMat:
+        """A vector as a one-row F32 matrix (the shared expert's gate), so it joins a GEMV launch."""
+        v = np.ascontiguousarray(v, dtype=F32).reshape(1, -1)
+        n = v.shape[1]
+        rb = device_row_bytes(QType.F32, n)
+        buf = self.A.reserve(name, (rb,), U8)
+        self._uploads.append((buf, device_rows(v, QType.F32, 1, n)))
+        return DevMat(buf, int(QType.F32), 1, n, rb)
+
+    def _plan_weights(self, W) -> None:
+        cfg = self.cfg
+        self.w_embd = self._mat("token_embd", W.token_embd)
+        self.w_out = self._mat("output", W.output)
+        self.w_out_norm = self._vec("output_hc_norm", W.output_hc_norm)
+        self.w_out_down = self._mat("output_hc_down", W.output_hc_down)
+        self.w_out_up = self._mat("output_hc_up", W.output_hc_up)
+        self.L: list[dict] = []
+        for il, lw in enumerate(W.layers):
+            p = f"blk.{il}."
+            d: dict = {}
+            for half in ("attn", "ffn"):
+                d[f"hc_{half}_norm"] = self._vec(p + f"hc_{half}_norm", getattr(lw, f"hc_{half}_norm"))
+                for part in ("down", "up", "inject"):
+                    key = f"hc_{half}_{part}"
+                    d[key] = self._mat(p + key, getattr(lw, key))
+            if cfg.recurrent[il]:
+                for key in ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"):
+                    d[key] = self._mat(p + key, getattr(lw, key))
+                for key in ("ssm_conv1d", "ssm_dt", "ssm_a", "ssm_norm"):
+                    d[key] = self._vec(p + key, getattr(lw, key))
+            else:
+                for key in ("attn_q", "attn_k", "attn_v", "attn_output", "indexer_q_proj", "indexer_k_proj"):
+                    d[key] = self._mat(p + key, getattr(lw, key))
+                for key in ("attn_q_norm", "attn_k_norm", "indexer_q_norm", "indexer_k_norm"):
+                    d[key] = self._vec(p + key, getattr(lw, key))
+            if il in cfg.ple_layers:
+                for key in ("ple_key", "ple_value"):
+                    d[key] = self._mat(p + key, getattr(lw, key))
+                for key in ("ple_norm_key", "ple_norm_query", "ple_norm_conv", "ple_conv1d"):
+                    d[key] = self._vec(p + key, getattr(lw, key))
+            d["router"] = self._mat(p + "ffn_gate_inp", lw.ffn_gate_inp)
+            d["shexp_gate"] = self._row_mat(p + "ffn_gate_inp_shexp", lw.ffn_gate_inp_shexp)
+            for key in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+                d[key] = self._mat(p + key, getattr(lw, key))
+            self.L.append(d)
+        self.inv_freq = self._vec("rope_inv_freq", rope_inv_freq(cfg.n_rot, cfg.rope_base))
+
+    def _plan_buffers(self) -> None:
+        """Activations (reused by every layer) and the sequence state. Layouts are row-major, f32 unless noted."""
+        cfg, R = self.cfg, self.A.reserve
+        E, hc, k = cfg.n_embd, cfg.hc, cfg.n_expert_used
+        self.b_step = R("step", (8,), I32)                  # STEP_* words, from pinned staging per token
+        self.b_R = R("R", (hc, E))                          # the residual streams
+        self.b_xn = R("xn", (hc, E))                        # the current read's normalized streams
+        self.b_lo = R("lo", (cfg.hc_rank,))                 # gr_read's low-rank pre-activation
+        self.b_inj_a = R("inject_attn", (hc,))              # raw inject logits of the attention half
+        self.b_inj_f = R("inject_ffn", (hc,))               # ... and of the ffn half (read by post)
+        self.b_mixed = R("mixed", (E,))                     # attention read: the mixer's input
+        self.b_mix_out = R("mixer_out", (E,))
+        self.b_x_ffn = R("x_ffn", (E,))                     # ffn read: the MoE input
+        self.b_logits_r = R("router_logits", (cfg.n_expert,))
+        self.b_sg = R("shexp_gate", (1,))                   # shared expert gate logit
+        self.b_ids = R("ids", (k,), I32)                    # routed experts (the vram mode's slots)
+        self.b_wts = R("weights", (k,))
+        self.b_h_sh = R("h_shared", (cfg.n_ff_shexp,))
+        self.b_shared = R("shared", (E,))
+        self.b_h_exp = R("h_experts", (k, kmoe.padded_ff(cfg)))
+        self.b_gpu_parts = R("gpu_parts", (k, E))
+        self.b_post_in = R("post_in", (POST_PARTS_OFFSET + 4 * k * E,), U8)   # copied from pinned staging
+        self.b_slots = self.b_post_in.view("slots", 0, (k,), I32)
+        self.b_host_parts = self.b_post_in.view("host_parts", POST_PARTS_OFFSET, (k, E), F32)
+        self.b_comb = R("combine", (E,))
+        self.b_logits = R("logits", (cfg.n_vocab,))
+        self.state: list[DevArray] = []                     # zeroed by new_seq
+        self.S: dict[int, dict] = {}
+        if any(cfg.recurrent):
+            self.b_qkv = R("gdn_qkv", (cfg.conv_dim,))
+            self.b_z = R("gdn_z", (cfg.value_dim,))
+            self.b_alpha = R("gdn_alpha", (cfg.ssm_v_heads,))
+            self.b_beta = R("gdn_beta", (cfg.ssm_v_heads,))
+            self.b_y = R("gdn_y", (cfg.value_dim,))
+        if not all(cfg.recurrent):
+            kqsa.check_geometry(cfg)
+            H, Hkv, D, Hi, Di = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.idx_heads, cfg.idx_dim
+            max_blocks = max(self.max_ctx // cfg.compress_ratios[i] for i in range(cfg.n_layer) if not cfg.recurrent[i])
+            self.b_qg = R("qsa_q_gate", (H, 2 * D))
+            self.b_kr = R("qsa_k", (Hkv * D,))
+            self.b_vr = R("qsa_v", (Hkv * D,))
+            self.b_iqr = R("qsa_iq_raw", (Hi * Di,))
+            self.b_ikr = R("qsa_ik_raw", (Di,))
+            self.b_q = R("qsa_q", (H, D))
+            self.b_iq = R("qsa_iq", (Hi, Di))
+            self.b_scores = R("qsa_scores", (max_blocks,))
+            self.b_sel = R("qsa_sel", (max_blocks,), I32)
+            self.b_meta = R("qsa_meta", (2,), I32)           # n selected blocks, n cells
+            self.b_part = R("qsa_partials", (H, self.nsplit, D + 2))
+            self.b_att = R("qsa_att", (H * D,))
+        if cfg.ple_layers:
+            self.b_ple_e = R("ple_e", (cfg.ple_dim,))          # the host's gathered rows, from pinned staging
+            self.b_ple_key = R("ple_key_raw", (cfg.hc_dim,))
+            self.b_ple_value = R("ple_value", (E,))
+            self.b_ple_hist = R("ple_hist", (cfg.ple_hist, cfg.hc_dim))
+            self.state.append(self.b_ple_hist)
+        for il in range(cfg.n_layer):
+            s: dict = {}
+            if cfg.recurrent[il]:
+                s["ring"] = R(f"blk.{il}.conv_ring", (cfg.ssm_conv, cfg.conv_dim))
+                s["S"] = R(f"blk.{il}.ssm_state", (cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_state))
+                self.state += [s["ring"], s["S"]]
+            else:
+                Hkv, D, Di, ratio = cfg.n_head_kv, cfg.head_dim, cfg.idx_dim, cfg.compress_ratios[il]
+                s["Kc"] = R(f"blk.{il}.k_cache", (self.max_ctx, Hkv, D))
+                s["Vc"] = R(f"blk.{il}.v_cache", (self.max_ctx, Hkv, D))
+                s["idx_raw"] = R(f"blk.{il}.indexer_raw_keys", (self.max_ctx, Di))
+                s["idx_blk"] = R(f"blk.{il}.indexer_block_keys", (self.max_ctx // ratio, Di))
+            self.S[il] = s
+
+    @staticmethod
+    def _file_types(lw) -> tuple[int, int, int]:
+        """The file's types of a layer's expert gate, up and down matrices."""
+        if lw.ffn_gate_up_exps is not None:
+            return lw.ffn_gate_up_exps.qtype, lw.ffn_gate_up_exps.qtype, lw.ffn_down_exps.qtype
+        return lw.ffn_gate_exps.qtype, lw.ffn_up_exps.qtype, lw.ffn_down_exps.qtype
+
+    def _plan_experts(self, W, budget: int | None, fixed: int) -> None:
+        cfg = self.cfg
+        E, Fn = cfg.n_embd, cfg.n_ff_exp
+        self.banks: list[kmoe.ExpertBank] = []
+        self.expert_job = [self.A.reserve(f"blk.{il}.moe_job", (kmoe.MOE_JOB_DTYPE.itemsize,), U8)
+                           for il in range(cfg.n_layer)]
+        if self.experts == "vram":
+            self.n_slots = 0
+            for il, lw in enumerate(W.layers):
+                p = f"blk.{il}."
+                down = self._mat(p + "ffn_down_exps", lw.ffn_down_exps)
+                if lw.ffn_gate_up_exps is not None:
+                    gu = self._mat(p + "ffn_gate_up_exps", lw.ffn_gate_up_exps)
+                    half = DevMat(gu.buf, gu.qtype, Fn, E, gu.row_bytes, gu.n_mat)
+                    self.banks.append(kmoe.ExpertBank(half, 0, half, Fn * gu.row_bytes, down, 0,
+                                                      (gu.mat_bytes, gu.mat_bytes, down.mat_bytes)))
+                else:
+                    g = self._mat(p + "ffn_gate_exps", lw.ffn_gate_exps)
+                    u = self._mat(p + "ffn_up_exps", lw.ffn_up_exps)
+                    self.banks.append(kmoe.ExpertBank(g, 0, u, 0, down, 0, (g.mat_bytes, u.mat_bytes, down.mat_bytes)))
+            return
+        # the cache: n_slots slots of [gate | up | down], each part 256-aligned, sized for the widest layer
+        self.file_types = [self._file_types(lw) for lw in W.layers]
+        types = [tuple(device_type(t) for t in ft) for ft in self.file_types]
+        for il, ft in enumerate(self.file_types):
+            for t, what in zip(ft, ("gate", "up", "down")):
+                note = conversion_note(f"blk.{il}.ffn_{what}_exps (each load_expert)", t)
+                if note:
+                    self.notes.append(note)
+        al = lambda n: (n + 255) // 256 * 256
+        self.slot_parts = (max(al(Fn * device_row_bytes(t[0], E)) for t in types),
+                           max(al(Fn * device_row_bytes(t[1], E)) for t in types),
+                           max(al(E * device_row_bytes(t[2], Fn)) for t in types))
+        self.slot_bytes = sum(self.slot_parts)
+        room = 0 if budget is None else budget - fixed - (1 << 20)     # 1 MiB for the job tables planned next
+        self.n_slots = int(max(0, min(room // self.slot_bytes, cfg.n_layer * cfg.n_expert)))
+        # one slot even with none to hand out: the job tables need a valid base (every slot id is then -1)
+        slots = self.A.reserve("expert_slots", (max(self.n_slots, 1) * self.slot_bytes,), U8)
+        self.slot_buf = slots
+        og, ou = 0, self.slot_parts[0]
+        od = ou + self.slot_parts[1]
+        st = (self.slot_bytes,) * 3
+        for tg, tu, td in types:
+            n = max(self.n_slots, 1)
+            self.banks.append(kmoe.ExpertBank(
+                DevMat(slots, int(tg), Fn, E, device_row_bytes(tg, E), n), og,
+                DevMat(slots, int(tu), Fn, E, device_row_bytes(tu, E), n), ou,
+                DevMat(slots, int(td), E, Fn, device_row_bytes(td, Fn), n), od, st))
+        self._slot_of: dict[tuple[int, int], int] = {}
+        self._owner: list[tuple[int, int] | None] = [None] * self.n_slots
+
+    def _upload(self) -> None:
+        up = Uploader(self.stream)
+        t0 = time.time()
+        for dst, src in self._uploads:
+            up.put(dst, src() if callable(src) else src)
+        up.finish()
+        self._uploads = []
+        self.log(f"strata.cuda: uploaded {up.bytes / 2**30:.2f} GiB of weights in {time.time() - t0:.1f}s")
+
+    def _host_buffers(self) -> None:
+        cfg, k, E = self.cfg, self.cfg.n_expert_used, self.cfg.n_embd
+        self.h_step = drv.HostBuffer(32, what="step staging")
+        self.step = self.h_step.array(I32, (8,))
+        self.step[:] = 0
+        self.h_ple = drv.HostBuffer(4 * max(cfg.ple_dim, 1), what="PLE staging")
+        self.ple_stage = self.h_ple.array(F32, (max(cfg.ple_dim, 1),))
+        self.h_post = drv.HostBuffer(POST_PARTS_OFFSET + 4 * k * E, what="post staging")
+        self.post_slots = self.h_post.array(I32, (k,))
+        self.post_parts = self.h_post.array(F32, (k, E), POST_PARTS_OFFSET)
+        self.h_logits = drv.HostBuffer(4 * cfg.n_vocab, what="logits")
+        self.logits = self.h_logits.array(F32, (cfg.n_vocab,))
+        self.ev_head = drv.Event()
+        self.ev_pre = [drv.Event() for _ in range(cfg.n_layer)]
+        self.ev_post = [drv.Event() for _ in range(cfg.n_layer)]
+        self.ev_mark = drv.Event()
+        if self.experts == "host":
+            self.ev_slot = [drv.Event() for _ in range(self.n_slots)]
+            self.h_load = [drv.HostBuffer(self.slot_bytes, what="expert staging") for _ in range(LOAD_STAGING)]
+            self.ev_load = [drv.Event() for _ in range(LOAD_STAGING)]
+            self.load_used = [False] * LOAD_STAGING
+            self.load_turn = 0
+
+    # ---- the launches, stage by stage -------------------------------------------------------------------
+    def _plan_launches(self) -> None:
+        """Every launch of every graph, as _Later builders; GEMV job tables are reserved in the arena here."""
+        cfg, K = self.cfg, self.kern
+        E, hc, eps = cfg.n_embd, cfg.hc, cfg.rms_eps
+
+        def gemv(name: str, jobs: list[Job]) -> _Later:
+            table = kgemv.job_table(name + ".jobs", len(jobs), self.A.reserve)
+            return _Later(kgemv.gemv_launch, K.fn("gemv", "gemv_jobs"), name, table, jobs)
+
+        L0 = self.L[0]
+        first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
+        begin = [_Later(kgemv.embed_launch, K.fn("gemv", "embed_rms"), "embed", self.w_embd, self.b_step, self.b_R,
+                        first_norm, self.b_xn, hc, eps)]
+        pre, pre_tok, post = [], [], []
+        for il in range(cfg.n_layer):
+            d, s, p = self.L[il], self.S[il], f"blk.{il}."
+            st: list[tuple[str, list]] = []
+            if il in cfg.ple_layers:
+                st.append(("ple", [
+                    _Later(lambda: CopyH2D("PLE vector", self.b_ple_e, self.h_ple.ptr, 4 * cfg.ple_dim)),
+                    gemv(p + "ple_proj", [Job(d["ple_key"], self.b_ple_e, self.b_ple_key),
+                                          Job(d["ple_value"], self.b_ple_e, self.b_ple_value)]),
+                    _Later(kple.ple_mix_launch, K.fn("ple", "ple_mix"), p + "ple_mix", cfg, self.b_R, self.b_ple_key,
+                           self.b_ple_value, d["ple_norm_key"], d["ple_norm_query"], d["ple_norm_conv"],
+                           d["ple_conv1d"], self.b_ple_hist, self.b_step)]))
+            read = [_Later(khc.rms_group_launch, K.fn("hc", "rms_group"), p + "attn_norm", self.b_R,
+                           d["hc_attn_norm"], self.b_xn, hc, E, eps)] if il in cfg.ple_layers else []
+            read += [gemv(p + "attn_down_inject", [Job(d["hc_attn_down"], self.b_xn, self.b_lo),
+                                                   Job(d["hc_attn_inject"], self.b_xn, self.b_inj_a)]),
+                     _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "attn_up_mix", d["hc_attn_up"], self.b_lo,
+                            self.b_xn, self.b_mixed, hc, E)]
+            st.append(("attn_read", read))
+            if cfg.recurrent[il]:
+                mixer = [gemv(p + "gdn_proj", [Job(d["attn_qkv"], self.b_mixed, self.b_qkv),
+                                               Job(d["attn_gate"], self.b_mixed, self.b_z),
+                                               Job(d["ssm_alpha"], self.b_mixed, self.b_alpha),
+                                               Job(d["ssm_beta"], self.b_mixed, self.b_beta)]),
+                         _Later(kgdn.gdn_core_launch, K.fn("gdn", "gdn_core"), p + "gdn_core", cfg, self.b_qkv,
+                                self.b_z, self.b_alpha, self.b_beta, d["ssm_conv1d"], d["ssm_dt"], d["ssm_a"],
+                                d["ssm_norm"], s["ring"], s["S"], self.b_y, self.b_step),
+                         gemv(p + "ssm_out", [Job(d["ssm_out"], self.b_y, self.b_mix_out)])]
+            else:
+                mixer = [gemv(p + "qsa_proj", [Job(d["attn_q"], self.b_mixed, self.b_qg),
+                                               Job(d["attn_k"], self.b_mixed, self.b_kr),
+                                               Job(d["attn_v"], self.b_mixed, self.b_vr),
+                                               Job(d["indexer_q_proj"], self.b_mixed, self.b_iqr),
+                                               Job(d["indexer_k_proj"], self.b_mixed, self.b_ikr)]),
+                         _Later(kqsa.prep_launch, K.fn("qsa", "qsa_prep"), p + "qsa_prep", cfg, il, self.b_qg,
+                                self.b_kr, self.b_vr, self.b_iqr, self.b_ikr, d["attn_q_norm"], d["attn_k_norm"],
+                                d["indexer_q_norm"], d["indexer_k_norm"], self.inv_freq, self.b_q, s["Kc"], s["Vc"],
+                                self.b_iq, s["idx_raw"], s["idx_blk"], self.b_step, self.max_ctx),
+                         _Later(kqsa.score_launch, K.fn("qsa", "qsa_score"), p + "qsa_score", cfg, il, self.b_iq,
+                                s["idx_blk"], self.b_scores, self.b_step, self.max_ctx, self.dev.n_sm),
+                         _Later(kqsa.select_launch, K.fn("qsa", "qsa_select"), p + "qsa_select", cfg, il,
+                                self.b_scores, self.b_sel, self.b_meta, self.b_step, self.max_ctx),
+                         _Later(kqsa.attn_launch, K.fn("qsa", "qsa_attn"), p + "qsa_attn", cfg, il, self.b_q, s["Kc"],
+                                s["Vc"], self.b_sel, self.b_meta, self.b_part, self.b_step, self.max_ctx, self.nsplit),
+                         _Later(kqsa.combine_launch, K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.b_part,
+                                self.b_qg, self.b_att, self.nsplit),
+                         gemv(p + "attn_output", [Job(d["attn_output"], self.b_att, self.b_mix_out)])]
+            st.append(("mixer", mixer))
+            st.append(("attn_write", [_Later(khc.write_rms_launch, K.fn("hc", "write_rms"), p + "attn_write", self.b_R,
+                                             self.b_inj_a, self.b_mix_out, d["hc_ffn_norm"], self.b_xn, hc, E, eps)]))
+            st.append(("ffn_read", [gemv(p + "ffn_down_inject", [Job(d["hc_ffn_down"], self.b_xn, self.b_lo),
+                                                                 Job(d["hc_ffn_inject"], self.b_xn, self.b_inj_f)]),
+                                    _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "ffn_up_mix", d["hc_ffn_up"],
+                                           self.b_lo, self.b_xn, self.b_x_ffn, hc, E)]))
+            router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r),
+                                         Job(d["shexp_gate"], self.b_x_ffn, self.b_sg)])
+
+            def route(db, il=il, p=p):
+                return _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route", cfg, il, self.b_logits_r,
+                              self.b_x_ffn, self.b_ids, self.b_wts, self.b_step, db)
+            shared = ("shared", [gemv(p + "shexp_gate_up", [Job(d["ffn_gate_shexp"], self.b_x_ffn, self.b_h_sh,
+                                                                 w2=d["ffn_up_shexp"])]),
+                                 gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
+            pre.append(st + [("route", [router, route(self.db.ptrs)]), shared])
+            pre_tok.append(st + [("route", [router, route(None)]), shared])
+            slots = self.b_ids if self.experts == "vram" else self.b_slots
+            w_next = self.L[il + 1]["hc_attn_norm"] if il + 1 < cfg.n_layer else self.w_out_norm
+            post.append([("experts", [_Later(kmoe.expert_launches, K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"),
+                                             p + "experts", cfg, self.expert_job[il], self.banks[il], slots,
+                                             self.b_x_ffn, self.b_h_exp, self.b_gpu_parts)]),
+                         ("combine", [_Later(kmoe.combine_launch, K.fn("moe", "combine_write_rms"), p + "combine",
+                                             cfg, self.b_wts, slots, self.b_gpu_parts, self.b_host_parts,
+                                             self.b_shared, self.b_sg, self.b_inj_f, self.b_R, self.b_comb, w_next,
+                                             self.b_xn)])])
+        head = [gemv("output_down", [Job(self.w_out_down, self.b_xn, self.b_lo)]),
+                _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), "output_up_mix", self.w_out_up, self.b_lo, self.b_xn,
+                       self.b_mixed, hc, E),
+                gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
+        self._plans = (begin, pre, pre_tok, post, head)
+
+    def _build_launches(self) -> None:
+        """After the commit: the launches (their addresses now exist) and the job tables' contents."""
+        begin, pre, pre_tok, post, head = self._plans
+        del self._plans
+
+        def build(stages):
+            out = []
+            for name, items in stages:
+                launches: list[Launch | CopyH2D] = []
+                for it in items:
+                    got = it()
+                    launches += list(got) if isinstance(got, tuple) else [got]
+                out.append((name, launches))
+            return out
+
+        self.begin_stages = build([("embed", begin)])
+        self.pre = [build(x) for x in pre]
+        self.pre_tok = [build(x) for x in pre_tok] if self.experts == "vram" else None
+        self.post = [build(x) for x in post]
+        self.head_stages = build([("head", head)])
+
+    # ---- enqueueing and capture -------------------------------------------------------------------------
+    def _enq(self, stages) -> None:
+        for _, launches in stages:
+            for launch in launches:
+                launch.enqueue(self.stream)
+
+    def _enq_begin(self) -> None:
+        s = self.stream
+        drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 32, s, "step")
+        self._enq(self.begin_stages)
+
+    def _enq_head(self) -> None:
+        self._enq(self.head_stages)
+        drv.memcpy_dtoh_async(self.h_logits.ptr, self.b_logits.ptr, 4 * self.cfg.n_vocab, self.stream, "logits")
+
+    def _capture(self) -> None:
+        n = self.cfg.n_layer
+        self._g["begin"] = Graph("begin", self.stream, self._enq_begin)
+        for il in range(n):
+            self._g[("pre", il)] = Graph(f"pre[{il}]", self.stream, lambda il=il: self._enq(self.pre[il]))
+            self._g[("post", il)] = Graph(f"post[{il}]", self.stream, lambda il=il: self._enq(self.post[il]))
+        self._g["head"] = Graph("head", self.stream, self._enq_head)
+        if self.experts == "vram":
+            def token():
+                self._enq_begin()
+                for il in range(n):
+                    self._enq(self.pre_tok[il])
+                    self._enq(self.post[il])
+                self._enq_head()
+            self._g["token"] = Graph("token", self.stream, token)
+
+    def _run(self, key, enqueue) -> None:
+        if self.graphs:
+            self._g[key].launch(self.stream)
+        else:
+            enqueue()
+
+    # ---- the protocol -----------------------------------------------------------------------------------
+    def _check_seq(self, seq: _Seq, call: str, *phases: str, layer: int | None = None) -> None:
+        if seq is not self.seq or not seq.live:
+            raise BackendError(f"{call}: not the backend's live sequence (one sequence at a time on the GPU)")
+        if seq.phase not in phases:
+            raise BackendError(f"{call}: sequence is at '{seq.phase}'" + (f" of layer {seq.layer}" if seq.layer >= 0
+                                                                        else "") + f", expected {' or '.join(phases)}")
+        if layer is not None and layer != seq.layer:
+            raise BackendError(f"{call}: layer {layer}, the sequence is at layer {seq.layer}")
+
+    @_guarded
+    def new_seq(self, dump: StageDump | None = None) -> _Seq:
+        if self.seq is not None and self.seq.live:
+            raise BackendError("new_seq: a sequence is already live; the CUDA backend runs one at a time "
+                               "(free_seq it first)")
+        for a in self.state:
+            drv.memset_async(a.ptr, a.nbytes, self.stream, a.name)
+        self.seq = _Seq(dump)
+        return self.seq
+
+    @_guarded
+    def free_seq(self, seq: _Seq) -> None:
+        if seq is self.seq:
+            self.stream.synchronize("free_seq")
+            seq.live = False
+
+    @_guarded
+    def begin(self, seq: _Seq, token: int, ple_e: np.ndarray | None) -> None:
+        self._check_seq(seq, "begin", "idle")
+        self._stage_token(seq, token, ple_e, "begin")
+        self._run("begin", self._enq_begin)
+        if seq.dump is not None:
+            self.stream.synchronize("dump: embed")
+            seq.dump.put(seq.pos, -1, "embed", self.b_R.row(0).download())
+        seq.phase, seq.layer = "begun", -1
+
+    def _stage_token(self, seq: _Seq, token: int, ple_e, call: str) -> None:
+        """The token's step words and PLE vector into pinned staging (the begin graph copies them)."""
+        cfg = self.cfg
+        if not 0 <= int(token) < cfg.n_vocab:
+            raise BackendError(f"{call}: token id {token} is outside the vocabulary [0, {cfg.n_vocab})")
+        if seq.pos >= self.max_ctx:
+            raise BackendError(f"{call}: position {seq.pos}: the context is full (max_ctx {self.max_ctx})")
+        seq.ple_ready = False
+        if ple_e is not None:
+            self._stage_ple(seq, ple_e, call)
+        if self._ring + cfg.n_layer >= 2**31:       # the ring value travels as an int32 step word
+            self._ring = 1
+        self.step[STEP_TOKEN], self.step[STEP_POS], self.step[STEP_RING] = int(token), seq.pos, self._ring
+
+    def _stage_ple(self, seq: _Seq, ple_e: np.ndarray, call: str) -> None:
+        cfg = self.cfg
+        if not cfg.ple_layers:
+            raise BackendError(f"{call}: this model has no PLE layer")
+        if np.shape(ple_e) != (cfg.ple_dim,):
+            raise BackendError(f"{call}: the PLE vector must be ({cfg.ple_dim},), got {np.shape(ple_e)}")
+        self.ple_stage[:] = ple_e
+        seq.ple_ready = True
+
+    @_guarded
+    def stage_ple(self, seq: _Seq, ple_e: np.ndarray) -> None:
+        """The token's PLE vector after begin: any time before launch_pre of the PLE layer, whose graph copies it."""
+        self._check_seq(seq, "stage_ple", "begun", "pre", "routed", "post")
+        if self.cfg.ple_layers and seq.layer >= self.cfg.ple_layers[0]:
+            raise BackendError(f"stage_ple: layer {seq.layer} is already past the PLE layer {self.cfg.ple_layers[0]}")
+        self._stage_ple(seq, ple_e, "stage_ple")
+
+    def _dump_stage(self, seq: _Seq, layer: int, stage: str) -> None:
+        value = {"ple": self.b_R, "attn_read": self.b_mixed, "mixer": self.b_mix_out, "attn_write": self.b_R,
+                 "ffn_read": self.b_x_ffn, "route": self.b_wts, "combine": self.b_comb, "ffn_write": self.b_R}
+        if stage == "shared":
+            return
+        self.stream.synchronize(f"dump: layer {layer} {stage}")
+        if stage == "experts":
+            g = self.b_gpu_parts.download()
+            seq.dump.put(seq.pos, layer, stage, g if seq.mask.all() else np.where(seq.mask[:, None], g, seq.parts))
+            return
+        seq.dump.put(seq.pos, layer, stage, value[stage].download())
+        if stage == "combine":
+            seq.dump.put(seq.pos, layer, "ffn_write", self.b_R.download())
+
+    def _run_stages(self, seq: _Seq, key, stages, layer: int) -> None:
+        if seq.dump is None:
+            self._run(key, lambda: self._enq(stages))
+            return
+        for name, launches in stages:
+            for launch in launches:
+                launch.enqueue(self.stream)
+            self._dump_stage(seq, layer, name)
+
+    @_guarded
+    def launch_pre(self, seq: _Seq, layer: int) -> None:
+        if layer == 0:
+            self._check_seq(seq, "launch_pre", "begun")
+        else:
+            self._check_seq(seq, "launch_pre", "post", layer=layer - 1)
+        if layer in self.cfg.ple_layers and not seq.ple_ready:
+            raise BackendError(f"launch_pre({layer}): the PLE layer needs the token's PLE vector (begin or stage_ple)")
+        seq.layer, seq.route = layer, None
+        seq.t_pre = time.monotonic()
+        self._run_stages(seq, ("pre", layer), self.pre[layer], layer)
+        self.ev_pre[layer].record(self.stream)
+        seq.phase = "pre"
+
+    @_guarded
+    def poll_route(self, seq: _Seq, layer: int) -> Route | None:
+        self._check_seq(seq, "poll_route", "pre", "routed", layer=layer)
+        if seq.phase == "routed":
+            return seq.route
+        want = (int(self.step[STEP_RING]) + layer) & 0xFFFFFFFF
+        if self.db.value() != want:
+            done = self.ev_pre[layer].query(f"pre[{layer}]")      # a driver call per poll keeps submission moving
+            if self.db.value() != want:
+                if done:
+                    raise BackendError(f"poll_route: pre[{layer}] completed but its doorbell holds "
+                                       f"{self.db.value()}, expected {want}")
+                if time.monotonic() - seq.t_pre > self.timeout:
+                    raise BackendError(f"poll_route: doorbell timeout: pre[{layer}] has not rung in "
+                                       f"{self.timeout:.0f}s (holds {self.db.value()}, expected {want})")
+                return None
+        x, ids, wts = self.db.payload()
+        seq.route = Route(x, ids, wts)
+        seq.phase = "routed"
+        return seq.route
+
+    def resident(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        if self.experts == "vram":
+            return np.ones(len(ids), bool)
+        return np.array([(layer, int(e)) in self._slot_of for e in ids], bool)
+
+    def expert_slots(self) -> int:
+        return self.n_slots
+
+    @_guarded
+    def load_expert(self, layer: int, expert: int, slot: int, gate, up, down) -> None:
+        cfg = self.cfg
+        if self.experts == "vram":
+            raise BackendError("load_expert: experts='vram' holds every expert already")
+        if not 0 <= slot < self.n_slots:
+            raise BackendError(f"load_expert: slot {slot} of {self.n_slots}")
+        if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
+            raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
+        fg, fu, fd = self.file_types[layer]
+        E, Fn = cfg.n_embd, cfg.n_ff_exp
+        try:
+            parts = (device_rows(gate, fg, Fn, E), device_rows(up, fu, Fn, E), device_rows(down, fd, E, Fn))
+        except ValueError as e:
+            raise BackendError(f"load_expert: layer {layer} expert {expert}: {e}") from None
+        i = self.load_turn
+        if self.load_used[i]:
+            self.ev_load[i].synchronize("expert staging reuse")
+        buf = self.h_load[i]
+        off = 0
+        for rows, room in zip(parts, self.slot_parts):
+            buf.array(U8, rows.shape, off)[:] = rows
+            off += room
+        # the copy waits for every launch made so far: one of them may still read the slot's previous expert
+        self.ev_mark.record(self.stream)
+        self.side.wait(self.ev_mark)
+        drv.memcpy_htod_async(self.slot_buf.ptr + slot * self.slot_bytes, buf.ptr, self.slot_bytes, self.side,
+                              f"expert {layer}.{expert} -> slot {slot}")
+        self.ev_load[i].record(self.side)
+        self.ev_slot[slot].record(self.side)
+        self.load_used[i] = True
+        self.load_turn = (i + 1) % LOAD_STAGING
+        old = self._owner[slot]
+        if old is not None:
+            del self._slot_of[old]
+        self._owner[slot] = (layer, expert)
+        self._slot_of[(layer, expert)] = slot
+
+    @_guarded
+    def launch_post(self, seq: _Seq, layer: int, parts: np.ndarray, resident: np.ndarray) -> None:
+        self._check_seq(seq, "launch_post", "routed", layer=layer)
+        cfg, k = self.cfg, self.cfg.n_expert_used
+        mask = np.asarray(resident, bool).reshape(-1)
+        if mask.shape != (k,):
+            raise BackendError(f"launch_post: the resident mask has shape {mask.shape}, expected ({k},)")
+        ids = seq.route.ids
+        if self.experts == "vram":
+            if not mask.all():
+                raise BackendError("launch_post: experts='vram' computes every routed expert; the mask says the "
+                                   "host computed some")
+        else:
+            if (~mask).any():
+                parts = np.asarray(parts, F32)
+                if parts.shape != (k, cfg.n_embd):
+                    raise BackendError(f"launch_post: parts has shape {parts.shape}, expected ({k}, {cfg.n_embd})")
+                self.post_parts[~mask] = parts[~mask]
+            for j in range(k):
+                if mask[j]:
+                    slot = self._slot_of.get((layer, int(ids[j])))
+                    if slot is None:
+                        raise BackendError(f"launch_post: expert {int(ids[j])} of layer {layer} is marked resident "
+                                           f"but is in no cache slot")
+                    self.post_slots[j] = slot
+                    self.stream.wait(self.ev_slot[slot])
+                else:
+                    self.post_slots[j] = -1
+            drv.memcpy_htod_async(self.b_post_in.ptr, self.h_post.ptr, self.h_post.nbytes, self.stream,
+                                  f"post[{layer}] inputs")
+        seq.mask = mask
+        seq.parts = None if seq.dump is None else np.array(parts, F32)
+        self._run_stages(seq, ("post", layer), self.post[layer], layer)
+        self.ev_post[layer].record(self.stream)
+        seq.phase = "post"
+
+    @_guarded
+    def post_done(self, seq: _Seq, layer: int) -> bool:
+        return self.ev_post[layer].query(f"post[{layer}]")
+
+    @_guarded
+    def launch_head(self, seq: _Seq) -> None:
+        self._check_seq(seq, "launch_head", "post", layer=self.cfg.n_layer - 1)
+        self._run("head", self._enq_head)
+        self.ev_head.record(self.stream)
+        seq.phase = "head"
+
+    @_guarded
+    def decode_token(self, seq: _Seq, token: int, ple_e: np.ndarray | None) -> None:
+        """The whole token as one graph (experts='vram' only, no doorbell wait); poll_logits gives its logits."""
+        if self.experts != "vram" or not self.graphs or seq.dump is not None:
+            raise BackendError("decode_token: the whole-token graph needs experts='vram', graphs=True and no dump")
+        self._check_seq(seq, "decode_token", "idle")
+        self._stage_token(seq, token, ple_e, "decode_token")
+        if self.cfg.ple_layers and not seq.ple_ready:
+            raise BackendError("decode_token: the model's PLE layer needs the token's PLE vector")
+        self._g["token"].launch(self.stream)
+        self.ev_head.record(self.stream)
+        seq.phase, seq.layer = "head", self.cfg.n_layer - 1
+
+    @_guarded
+    def poll_logits(self, seq: _Seq) -> np.ndarray | None:
+        self._check_seq(seq, "poll_logits", "head")
+        if not self.ev_head.query("head"):
+            return None
+        out = self.logits.copy()
+        if seq.dump is not None:
+            seq.dump.put(seq.pos, -1, "logits", out)
+        seq.pos += 1
+        self._ring += self.cfg.n_layer
+        seq.phase, seq.layer = "idle", -1
+        return out
+
+    # ---- measurement helpers (bench/gpu_check.py) ----------------------------------------------------------
+    def stage_graphs(self) -> list[tuple[str, Graph]]:
+        """One graph per stage of a whole token (experts='vram'): labels 'begin', 'gdn:mixer', 'qsa:route', ...
+        Launched back to back with events between them, their times add up to that run's total."""
+        if self.experts != "vram":
+            raise BackendError("stage_graphs: a whole token without the host needs experts='vram'")
+        if "stages" not in self._g:
+            g: list[tuple[str, Graph]] = [("begin", Graph("stage begin", self.stream, self._enq_begin))]
+            for il in range(self.cfg.n_layer):
+                kind = "gdn" if self.cfg.recurrent[il] else "qsa"
+                for name, launches in self.pre_tok[il] + self.post[il]:
+                    g.append((f"{kind}:{name}", Graph(f"stage {il}.{name}", self.stream,
+                                                      lambda ls=launches: [x.enqueue(self.stream) for x in ls])))
+            g.append(("head", Graph("stage head", self.stream, self._enq_head)))
+            self._g["stages"] = g
+        return self._g["stages"]
+
+    @_guarded
+    def timed_token(self, seq: _Seq, token: int, ple_e: np.ndarray | None) -> list[tuple[str, float]]:
+        """Decode one token through stage_graphs() with an event between every two launches: [(label, ms)] whose
+        sum is this run's total (one stage graph per launch adds the gaps the whole-token graph does not have).
+        Synchronizes at the end: measurement only."""
+        self._check_seq(seq, "timed_token", "idle")
+        graphs = self.stage_graphs()
+        self._stage_token(seq, token, ple_e, "timed_token")
+        evs = [drv.Event(timing=True) for _ in range(len(graphs) + 1)]
+        try:
+            evs[0].record(self.stream)
+            for (_, g), ev in zip(graphs, evs[1:]):
+                g.launch(self.stream)
+                ev.record(self.stream)
+            evs[-1].synchronize("timed_token")
+            out = [(label, evs[i + 1].elapsed_ms(evs[i])) for i, (label, _) in enumerate(graphs)]
+        finally:
+            for ev in evs:
+                ev.destroy()
+        seq.pos += 1
+        self._ring += self.cfg.n_layer
+        return out
+
+    def measure_doorbell(self, n: int = 200) -> np.ndarray:
+        """Seconds from cuGraphLaunch to the host seeing the ring, n times, for a graph of the step copy and
+        layer 0's router kernel (the doorbell alone, not the layer before it). Between tokens only."""
+        if self.seq is not None and self.seq.live and self.seq.phase != "idle":
+            raise BackendError("measure_doorbell: a token is in flight")
+        route = self.pre[0][[name for name, _ in self.pre[0]].index("route")][1][-1]
+        g = Graph("doorbell probe", self.stream, lambda: (
+            drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 32, self.stream, "step"),
+            route.enqueue(self.stream)))
+        ev, out = drv.Event(), []
+        try:
+            for _ in range(n):
+                if self._ring + self.cfg.n_layer >= 2**31:
+                    self._ring = 1
+                want = self._ring
+                self._ring += self.cfg.n_layer
+                self.step[STEP_RING] = want
+                t0 = time.perf_counter()
+                g.launch(self.stream)
+                ev.record(self.stream)
+                while self.db.value() != want:
+                    if ev.query("doorbell probe") and self.db.value() != want:
+                        raise BackendError(f"measure_doorbell: the probe finished without ringing {want}")
+                out.append(time.perf_counter() - t0)
+                self.stream.synchronize("doorbell probe")
+        finally:
+            g.destroy()
+            ev.destroy()
+        return np.array(out)
+
+    def close(self) -> None:
+        try:
+            self.stream.synchronize("close")
+        finally:
+            for g in self._g.values():
+                for x in (g if isinstance(g, list) else [("", g)]):
+                    x[1].destroy()
+            self._g = {}
+            self.A.free()
+            for b in (self.h_step, self.h_ple, self.h_post, self.h_logits):
+                b.free()
+            self.db.free()
+            if self.experts == "host":
+                for b in self.h_load:
+                    b.free()
+            self.stream.destroy()
+            self.side.destroy()

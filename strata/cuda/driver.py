@@ -1,0 +1,180 @@
+"""The CUDA driver through cuda-bindings: every call checked, every failure a BackendError naming the call and
+the CUresult. Context, streams, events, pinned and mapped host memory.
+
+Only the driver API is used (no runtime): one primary context on device 0, made current on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata.host.backend import BackendError
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError as e:         # the package is optional: pip install -e '.[cuda]'
+    cu = None
+    _IMPORT_ERROR = e
+else:
+    _IMPORT_ERROR = None
+
+
+class CudaError(BackendError):
+    """A driver call failed: the message names the call and the CUresult."""
+
+
+def _name(res) -> str:
+    err, name = cu.cuGetErrorName(res)
+    return name.decode() if err == cu.CUresult.CUDA_SUCCESS and name else str(res)
+
+
+def check(ret, call: str):
+    """ret is a cuda-bindings return tuple (CUresult, *values): the values, or CudaError naming `call`."""
+    res, *vals = ret if isinstance(ret, tuple) else (ret,)
+    if res != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{call}: {_name(res)}")
+    return vals[0] if len(vals) == 1 else (tuple(vals) if vals else None)
+
+
+def available() -> str | None:
+    """None when a CUDA device can be used, else the reason it cannot (for skips and errors)."""
+    if cu is None:
+        return f"cuda-bindings is not installed ({_IMPORT_ERROR})"
+    try:
+        (res,) = cu.cuInit(0)
+    except Exception as e:          # libcuda missing: cuda-bindings raises at the first call
+        return f"the CUDA driver could not be loaded: {e}"
+    if res != cu.CUresult.CUDA_SUCCESS:
+        return f"cuInit: {_name(res)} (no NVIDIA GPU or driver)"
+    res, n = cu.cuDeviceGetCount()
+    if res != cu.CUresult.CUDA_SUCCESS or n < 1:
+        return "no CUDA device"
+    return None
+
+
+@dataclass
+class Device:
+    """Device 0 with its primary context current on this thread."""
+    dev: object
+    ctx: object
+    name: str
+    arch: int          # compute capability, e.g. 90
+    n_sm: int
+    max_smem_optin: int
+
+    @classmethod
+    def open(cls) -> "Device":
+        why = available()
+        if why is not None:
+            raise CudaError(f"no usable GPU: {why}")
+        dev = check(cu.cuDeviceGet(0), "cuDeviceGet(0)")
+        ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        A = cu.CUdevice_attribute
+        attr = lambda a: check(cu.cuDeviceGetAttribute(a, dev), f"cuDeviceGetAttribute({a.name})")
+        name = check(cu.cuDeviceGetName(256, dev), "cuDeviceGetName").split(b"\0")[0].decode()
+        arch = 10 * attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) + attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        return cls(dev, ctx, name, arch, attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+                   attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
+
+    def make_current(self) -> None:
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+class Stream:
+    """A non-blocking stream (it never waits for the legacy default stream)."""
+
+    def __init__(self):
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def synchronize(self, what: str = "") -> None:
+        check(cu.cuStreamSynchronize(self.handle), f"cuStreamSynchronize{f' ({what})' if what else ''}")
+
+    def wait(self, ev: "Event") -> None:
+        check(cu.cuStreamWaitEvent(self.handle, ev.handle, 0), "cuStreamWaitEvent")
+
+    def destroy(self) -> None:
+        check(cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
+
+
+class Event:
+    """timing=False events are the cheap ones polled by the doorbell loop."""
+
+    def __init__(self, timing: bool = False):
+        flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
+
+    def record(self, stream: Stream) -> None:
+        check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+
+    def query(self, what: str) -> bool:
+        """True when all work before the record has completed; never blocks."""
+        (res,) = cu.cuEventQuery(self.handle)
+        if res == cu.CUresult.CUDA_SUCCESS:
+            return True
+        if res == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise CudaError(f"cuEventQuery ({what}): {_name(res)}")
+
+    def synchronize(self, what: str) -> None:
+        check(cu.cuEventSynchronize(self.handle), f"cuEventSynchronize ({what})")
+
+    def elapsed_ms(self, start: "Event") -> float:
+        return float(check(cu.cuEventElapsedTime(start.handle, self.handle), "cuEventElapsedTime"))
+
+    def destroy(self) -> None:
+        check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+
+
+class HostBuffer:
+    """Pinned host memory (cuMemHostAlloc, PORTABLE); `mapped` also maps it into the device's address space.
+
+    `.array(dtype, shape, offset)` is a numpy view of the bytes (no copy); `.dptr` the device address when mapped.
+    """
+
+    def __init__(self, nbytes: int, mapped: bool = False, what: str = "pinned"):
+        flags = cu.CU_MEMHOSTALLOC_PORTABLE | (cu.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0)
+        self.nbytes = nbytes
+        self.ptr = int(check(cu.cuMemHostAlloc(max(nbytes, 1), flags), f"cuMemHostAlloc({nbytes}, {what})"))
+        self.dptr = int(check(cu.cuMemHostGetDevicePointer(self.ptr, 0), "cuMemHostGetDevicePointer")) if mapped else 0
+        self._buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(self.ptr)
+
+    def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset + n > self.nbytes:
+            raise ValueError(f"pinned view of {n} bytes at {offset} exceeds the buffer's {self.nbytes}")
+        return np.frombuffer(self._buf, dtype=dtype, count=n // dtype.itemsize, offset=offset).reshape(shape)
+
+    def free(self) -> None:
+        if self.ptr:
+            check(cu.cuMemFreeHost(self.ptr), "cuMemFreeHost")
+            self.ptr = 0
+
+
+def memcpy_htod_async(dst: int, src_ptr: int, nbytes: int, stream: Stream, what: str) -> None:
+    check(cu.cuMemcpyHtoDAsync(dst, src_ptr, nbytes, stream.handle), f"cuMemcpyHtoDAsync ({what}, {nbytes} B)")
+
+
+def memcpy_dtoh_async(dst_ptr: int, src: int, nbytes: int, stream: Stream, what: str) -> None:
+    check(cu.cuMemcpyDtoHAsync(dst_ptr, src, nbytes, stream.handle), f"cuMemcpyDtoHAsync ({what}, {nbytes} B)")
+
+
+def memset_async(dst: int, nbytes: int, stream: Stream, what: str, value: int = 0) -> None:
+    check(cu.cuMemsetD8Async(dst, value, nbytes, stream.handle), f"cuMemsetD8Async ({what}, {nbytes} B)")
+
+
+def cache_root() -> str:
+    """$STRATA_CACHE or ~/.cache/strata (the kernels' cubins go to its kernels/ subfolder)."""
+    return os.environ.get("STRATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "strata")

@@ -1,0 +1,37 @@
+"""Stream capture into CUDA graphs: a captured sequence of launches and copies, replayed with one cuGraphLaunch.
+
+A graph copies kernel arguments and copy addresses at capture and never re-reads them (the seed's rule two):
+what changes per step must be data in device buffers, which a replay does re-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from strata.cuda.driver import CudaError, Stream, check, cu
+
+
+class Graph:
+    def __init__(self, name: str, stream: Stream, body: Callable[[], None]):
+        """Capture body()'s enqueues on `stream` (thread-local mode: other threads' calls are not captured)."""
+        self.name = name
+        check(cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              f"cuStreamBeginCapture({name})")
+        try:
+            body()
+        except BaseException:
+            cu.cuStreamEndCapture(stream.handle)       # leave the stream usable; the body's error is the news
+            raise
+        self.graph = check(cu.cuStreamEndCapture(stream.handle), f"cuStreamEndCapture({name})")
+        got = check(cu.cuGraphGetNodes(self.graph, 0), f"cuGraphGetNodes({name})")
+        self.n_nodes = int(got[-1]) if isinstance(got, tuple) else len(got)
+        if self.n_nodes == 0:
+            raise CudaError(f"graph {name}: nothing was captured")
+        self.exec = check(cu.cuGraphInstantiate(self.graph, 0), f"cuGraphInstantiate({name})")
+
+    def launch(self, stream: Stream) -> None:
+        check(cu.cuGraphLaunch(self.exec, stream.handle), f"cuGraphLaunch({self.name})")
+
+    def destroy(self) -> None:
+        check(cu.cuGraphExecDestroy(self.exec), f"cuGraphExecDestroy({self.name})")
+        check(cu.cuGraphDestroy(self.graph), f"cuGraphDestroy({self.name})")

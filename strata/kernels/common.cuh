@@ -1,0 +1,117 @@
+// common.cuh: integer types, fp16/bf16 decoding, reductions and activations shared by every kernel file.
+//
+// NVRTC compiles these sources with no toolkit headers: fp16 is decoded with the PTX `cvt` instruction and bf16
+// with a shift, so nothing here needs cuda_fp16.h. No fast-math: expf/sqrtf/cosf are the accurate versions, which
+// is what keeps the f32 path within 1e-5 of the numpy reference.
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef short i16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FULL_MASK 0xffffffffu
+#define F_INF __int_as_float(0x7f800000)
+
+// step[] is the per-token data block filled from pinned staging before the first graph of a token runs.
+#define STEP_TOKEN 0      // token id
+#define STEP_POS 1        // position of the token in the sequence (= cells already cached)
+#define STEP_RING 2       // doorbell sequence value of layer 0 for this token (layer l rings STEP_RING + l)
+#define STEP_WORDS 8
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float((u32)b << 16); }
+
+__device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
+
+// a 32-bit word at a 2-byte aligned address (blocks of 18, 34, 210 ... bytes are only 2-aligned)
+__device__ __forceinline__ u32 ld32_a2(const u8* p) {
+    const u16* q = (const u16*)p;
+    return (u32)q[0] | ((u32)q[1] << 16);
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+// torch's softplus: linear above threshold 20
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f))); }
+
+// xor butterfly: every lane ends with the same, order-fixed sum (deterministic)
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim a multiple of 32, at most 1024); every thread gets the result.
+// `red` is 33 floats of shared memory; the call starts and ends with a barrier so `red` can be reused.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int tid = threadIdx.x + threadIdx.y * blockDim.x;
+    const int nw = (blockDim.x * blockDim.y) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if ((tid & 31) == 0) red[tid >> 5] = v;
+    __syncthreads();
+    if (tid < 32) {
+        float s = tid < nw ? red[tid] : 0.0f;
+        s = warp_sum(s);
+        if (tid == 0) red[32] = s;
+    }
+    __syncthreads();
+    return red[32];
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int tid = threadIdx.x + threadIdx.y * blockDim.x;
+    const int nw = (blockDim.x * blockDim.y) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if ((tid & 31) == 0) red[tid >> 5] = v;
+    __syncthreads();
+    if (tid < 32) {
+        float s = tid < nw ? red[tid] : -F_INF;
+        s = warp_max(s);
+        if (tid == 0) red[32] = s;
+    }
+    __syncthreads();
+    return red[32];
+}
+
+// NEOX RoPE on the first n_rot dims of v (shared memory, length >= n_rot): pairs (i, i + n_rot/2).
+// Angles are float32 pos * inv_freq[i] like strata.reference.common.rope; cosf/sinf are the accurate ones.
+__device__ __forceinline__ void rope_neox(float* v, int n_rot, int pos, const float* inv_freq) {
+    const int half = n_rot >> 1;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float ang = (float)pos * inv_freq[i];
+        const float c = cosf(ang), s = sinf(ang);
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c - x2 * s;
+        v[i + half] = x2 * c + x1 * s;
+    }
+    __syncthreads();
+}
+
+// out[e] = r[e] / sqrt(mean(r^2) + eps) * w[e] over one stream of E values, by the whole block (the reference's
+// x * (1 / sqrt(mean + eps)) * w order). Returns nothing; `red` as for block_sum.
+__device__ __forceinline__ void stream_rms(const float* r, const float* w, float* out, int E, float eps, float* red) {
+    const int tid = threadIdx.x + threadIdx.y * blockDim.x, nt = blockDim.x * blockDim.y;
+    float ss = 0.0f;
+    for (int e = tid; e < E; e += nt) ss += r[e] * r[e];
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+    for (int e = tid; e < E; e += nt) out[e] = (r[e] * inv) * w[e];
+}

@@ -1,0 +1,42 @@
+"""gdn.cu's wrapper: the fused Gated DeltaNet core of one layer (conv, norms, gates, state step, gated norm)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.config import ModelConfig
+from strata.cuda.arena import DevArray
+from strata.cuda.launch import F, I, Launch, P, need
+
+
+def block_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """(columns rounded to warps, ceil(Dk / 16) row groups): one thread per (value column, 16 state rows)."""
+    Dk = Dv = cfg.ssm_state
+    bx, ky = (Dv + 31) // 32 * 32, (Dk + 15) // 16
+    if bx * ky > 1024:
+        raise ValueError(f"gdn_core: head dim {Dk} needs {bx * ky} threads per CTA; at most 1024 (Dk <= 128 at "
+                         f"Dv = 128)")
+    return bx, ky
+
+
+def gdn_core_launch(fn, name: str, cfg: ModelConfig, qkv: DevArray, z: DevArray, alpha: DevArray, beta: DevArray,
+                    conv_w: DevArray, dt: DevArray, A: DevArray, norm_w: DevArray, ring: DevArray, S: DevArray,
+                    y: DevArray, step: DevArray) -> Launch:
+    Hk, Hv, D, K = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv
+    need(qkv, name + " qkv", cfg.conv_dim)
+    need(z, name + " z", cfg.value_dim)
+    need(alpha, name + " alpha", Hv)
+    need(beta, name + " beta", Hv)
+    need(conv_w, name + " conv1d", cfg.conv_dim * K)
+    need(dt, name + " dt", Hv)
+    need(A, name + " A", Hv)
+    need(norm_w, name + " ssm_norm", D)
+    need(ring, name + " conv ring", K * cfg.conv_dim)
+    need(S, name + " state", Hv * D * D)
+    need(y, name + " y", cfg.value_dim)
+    need(step, name + " step", 8, np.int32)
+    bx, ky = block_shape(cfg)
+    smem = (2 * D + D + ky * D) * 4
+    return Launch(fn, name, (Hv,), (bx, ky), smem,
+                  [P(qkv), P(z), P(alpha), P(beta), P(conv_w), P(dt), P(A), P(norm_w), P(ring), P(S), P(y), P(step),
+                   I(Hk), I(Hv), I(D), I(D), I(K), F(cfg.rms_eps)])

@@ -1,0 +1,38 @@
+"""hc.cu's wrappers: the gated residual's grouped norm, the write fused with the next norm, the up-gate mean."""
+
+from __future__ import annotations
+
+from strata.cuda.arena import DevArray, DevMat
+from strata.cuda.launch import F, I, Launch, P, need
+from strata.kernels.gemv import KERNEL_TYPES, device_row_bytes
+
+
+def rms_group_launch(fn, name: str, R: DevArray, w: DevArray, xn: DevArray, hc: int, E: int, eps: float) -> Launch:
+    """xn[s] = RMSNorm(R[s]) * w[s] for the hc streams of E."""
+    for a, what in ((R, "R"), (w, "norm"), (xn, "xn")):
+        need(a, f"{name} {what}", hc * E)
+    return Launch(fn, name, (hc,), (1024,), 0, [P(R), P(w), P(xn), I(E), F(eps)])
+
+
+def write_rms_launch(fn, name: str, R: DevArray, inj_raw: DevArray, out: DevArray, w: DevArray, xn: DevArray,
+                     hc: int, E: int, eps: float) -> Launch:
+    """R[s] += 2 sigmoid(inj_raw[s] / hc) * out, then xn[s] = RMSNorm(R[s]) * w[s]."""
+    need(inj_raw, name + " inject", hc)
+    need(out, name + " out", E)
+    for a, what in ((R, "R"), (w, "norm"), (xn, "xn")):
+        need(a, f"{name} {what}", hc * E)
+    return Launch(fn, name, (hc,), (1024,), 0, [P(R), P(inj_raw), P(out), P(w), P(xn), I(E), I(hc), F(eps)])
+
+
+def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mixed: DevArray, hc: int,
+                  E: int) -> Launch:
+    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]."""
+    r = up.n_in
+    if up.n_out != hc * E or up.qtype not in KERNEL_TYPES or up.row_bytes != device_row_bytes(up.qtype, r):
+        raise ValueError(f"{name}: up matrix '{up.buf.name}' is {up.n_out}x{r} (type {up.qtype}), needs "
+                         f"{hc * E} rows in a kernel format")
+    need(lo_raw, name + " lo", r)
+    need(xn, name + " xn", hc * E)
+    need(mixed, name + " mixed", E)
+    return Launch(fn, name, ((E + 7) // 8,), (256,), (r + 7) // 8 * 8 * 4,
+                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), P(xn), P(mixed), I(E), I(hc)])

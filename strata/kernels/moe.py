@@ -1,0 +1,122 @@
+"""moe.cu's wrappers: the router with the doorbell, the resident experts (gate/up GLU, down), and the combine
+that ends post[l] (gr_write plus the next read's norm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata.config import ModelConfig
+from strata.cuda.arena import DevArray, DevMat
+from strata.cuda.launch import F, I, Launch, P, need
+from strata.kernels.gemv import CTA_WARPS, KERNEL_TYPES, device_row_bytes, warps_per_row
+
+MAX_EXPERTS = 1024      # one router thread per expert
+MAX_USED = 64           # pk[] in moe_route
+
+# struct MoeJob (moe.cu), 96 bytes
+MOE_JOB_DTYPE = np.dtype([("g_base", "<u8"), ("u_base", "<u8"), ("d_base", "<u8"), ("g_stride", "<i8"),
+                          ("u_stride", "<i8"), ("d_stride", "<i8"), ("type_g", "<i4"), ("type_u", "<i4"),
+                          ("type_d", "<i4"), ("rb_g", "<i4"), ("rb_u", "<i4"), ("rb_d", "<i4"), ("E", "<i4"),
+                          ("F", "<i4"), ("Fp", "<i4"), ("wpr_gu", "<i4"), ("wpr_d", "<i4"), ("pad", "<i4")])
+assert MOE_JOB_DTYPE.itemsize == 96
+
+
+def padded_ff(cfg: ModelConfig) -> int:
+    """Row stride of the experts' hidden activations h (k, Fp): 16-byte aligned rows for the down GEMV."""
+    return (cfg.n_ff_exp + 7) // 8 * 8
+
+
+def route_launch(fn, name: str, cfg: ModelConfig, layer: int, logits: DevArray, x: DevArray, ids: DevArray,
+                 wts: DevArray, step: DevArray, db: "DoorbellPtrs | None") -> Launch:
+    """Top-k routing; with `db` the payload and the ring go to the doorbell's mapped memory."""
+    n, k, E = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
+    if n > MAX_EXPERTS or k > MAX_USED:
+        raise ValueError(f"{name}: {n} experts top-{k}; the router kernel takes <= {MAX_EXPERTS} top-<= {MAX_USED}")
+    need(logits, name + " logits", n)
+    need(x, name + " x", E)
+    need(ids, name + " ids", k, np.int32)
+    need(wts, name + " weights", k)
+    need(step, name + " step", 8, np.int32)
+    d = db or DoorbellPtrs(0, 0, 0, 0)
+    return Launch(fn, name, (1,), (1024,), 0,
+                  [P(logits), P(x), P(ids), P(wts), P(d.x), P(d.ids), P(d.wts), P(d.seq), P(step), I(layer), I(n),
+                   I(k), I(E)])
+
+
+@dataclass(frozen=True)
+class DoorbellPtrs:
+    """Device addresses of the doorbell's mapped pinned fields (0: no doorbell)."""
+    x: int
+    ids: int
+    wts: int
+    seq: int
+
+
+@dataclass
+class ExpertBank:
+    """Where expert slot s's matrices start: base + s * stride for gate, up and down (one DevMat each, n_mat slots)."""
+    gate: DevMat
+    gate_off: int
+    up: DevMat
+    up_off: int
+    down: DevMat
+    down_off: int
+    stride: tuple[int, int, int]      # bytes between slots: gate, up, down
+
+
+def moe_job_row(cfg: ModelConfig, bank: ExpertBank) -> np.ndarray:
+    E, Fn = cfg.n_embd, cfg.n_ff_exp
+    g, u, d = bank.gate, bank.up, bank.down
+    for m, n_out, n_in, what in ((g, Fn, E, "gate"), (u, Fn, E, "up"), (d, E, Fn, "down")):
+        if (m.n_out, m.n_in) != (n_out, n_in) or m.qtype not in KERNEL_TYPES or \
+                m.row_bytes != device_row_bytes(m.qtype, n_in):
+            raise ValueError(f"experts: {what} '{m.buf.name}' is {m.n_out}x{m.n_in} type {m.qtype}, needs "
+                             f"{n_out}x{n_in} in a kernel format")
+    r = np.zeros(1, MOE_JOB_DTYPE)
+    r["g_base"], r["u_base"], r["d_base"] = g.ptr + bank.gate_off, u.ptr + bank.up_off, d.ptr + bank.down_off
+    r["g_stride"], r["u_stride"], r["d_stride"] = bank.stride
+    r["type_g"], r["type_u"], r["type_d"] = g.qtype, u.qtype, d.qtype
+    r["rb_g"], r["rb_u"], r["rb_d"] = g.row_bytes, u.row_bytes, d.row_bytes
+    r["E"], r["F"], r["Fp"] = E, Fn, padded_ff(cfg)
+    r["wpr_gu"] = max(warps_per_row(g.qtype, E), warps_per_row(u.qtype, E))
+    r["wpr_d"] = warps_per_row(d.qtype, Fn)
+    return r
+
+
+def expert_launches(fn_gate_up, fn_down, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank,
+                    slots: DevArray, x: DevArray, h: DevArray, out: DevArray) -> tuple[Launch, Launch]:
+    """Uploads the layer's MoeJob into `job` and returns (gate/up GLU, down) over the k selected experts."""
+    k, E, Fn = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
+    row = moe_job_row(cfg, bank)
+    need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
+    need(slots, name + " slots", k, np.int32)
+    need(x, name + " x", E)
+    need(h, name + " h", k * padded_ff(cfg))
+    need(out, name + " out", k * E)
+    job.upload(row.view(np.uint8))
+    rpc_gu, rpc_d = CTA_WARPS // int(row["wpr_gu"][0]), CTA_WARPS // int(row["wpr_d"][0])
+    gu = Launch(fn_gate_up, name + ".gate_up", ((Fn + rpc_gu - 1) // rpc_gu, k), (256,), 0,
+                [P(job), P(slots), P(x), P(h)])
+    dn = Launch(fn_down, name + ".down", ((E + rpc_d - 1) // rpc_d, k), (256,), 0, [P(job), P(slots), P(h), P(out)])
+    return gu, dn
+
+
+def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArray, gpu_parts: DevArray,
+                   host_parts: DevArray, shared: DevArray, sg: DevArray, inj_raw: DevArray, R: DevArray,
+                   comb: DevArray, w_next: DevArray, xn: DevArray) -> Launch:
+    k, E, hc = cfg.n_expert_used, cfg.n_embd, cfg.hc
+    need(wts, name + " weights", k)
+    need(slots, name + " slots", k, np.int32)
+    need(gpu_parts, name + " GPU parts", k * E)
+    need(host_parts, name + " host parts", k * E)
+    need(shared, name + " shared", E)
+    need(sg, name + " shared gate", 1)
+    need(inj_raw, name + " inject", hc)
+    for a, what in ((R, "R"), (w_next, "next norm"), (xn, "xn")):
+        need(a, f"{name} {what}", hc * E)
+    need(comb, name + " comb", E)
+    return Launch(fn, name, (hc,), (1024,), 0,
+                  [P(wts), P(slots), P(gpu_parts), P(host_parts), P(shared), P(sg), P(inj_raw), P(R), P(comb),
+                   P(w_next), P(xn), I(k), I(E), I(hc), F(cfg.rms_eps)])

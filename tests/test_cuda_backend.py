@@ -1,0 +1,189 @@
+"""The CUDA backend end to end, driven through the Backend protocol exactly as the scheduler drives it.
+
+Tiny random checkpoints (tests/oracle.py) -> strata's converter -> GGUF -> CudaBackend; logits at every position
+(contexts past the QSA budget, EOS mid-sequence) against transformers <= 1e-3, with every expert in VRAM, every
+expert on the host, and a partial cache the host fills while the layer runs. Also: the per-stage dump against
+the numpy reference, 64 replayed steps equal to the eager kernel sequence bit for bit (and the whole-token graph
+equal to the per-layer graphs), and the doorbell's launch-to-host-seen latency.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from strata.cuda import driver as drv
+
+pytestmark = pytest.mark.gpu
+_WHY = drv.available()
+if _WHY is not None:
+    pytest.skip(f"the CUDA backend needs a GPU: {_WHY}", allow_module_level=True)
+
+from oracle import SPECS, build, hf_logits, rel_err, sequence             # noqa: E402
+from strata.cuda.backend import CudaBackend                                # noqa: E402
+from strata.model.convert import convert                                   # noqa: E402
+from strata.model.loader import load_model                                 # noqa: E402
+from strata.reference.model import RefModel, StageDump, first_divergence   # noqa: E402
+from strata.reference.moe import expert_ffn                                # noqa: E402
+from strata.reference.ple import NgramWindow, ple_gather, ple_rows         # noqa: E402
+
+TOL = 1e-3
+POLL_S = 60.0
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def case(request, tmp_path_factory):
+    spec = SPECS[request.param]
+    folder = tmp_path_factory.mktemp(f"cuda-{spec.name}")
+    hf = build(spec, folder / "hf")
+    tokens = sequence(spec, 4 * spec.budget + 20, seed=spec.seed)
+    convert(folder / "hf", folder / "model.gguf", "f32", log=lambda s: None)
+    return spec, load_model(folder / "model.gguf"), tokens, hf_logits(hf, tokens)
+
+
+def _wait(poll, what: str):
+    t0 = time.monotonic()
+    while (got := poll()) is None:
+        if time.monotonic() - t0 > POLL_S:
+            raise AssertionError(f"{what}: nothing after {POLL_S}s")
+    return got
+
+
+def run_protocol(be, model, tokens, cache=None, dump=None, whole=False) -> np.ndarray:
+    """The scheduler's loop: per token begin, per layer pre -> doorbell -> host experts -> post, then the head.
+    `cache(layer, ids)` runs between the route and the post (the host's cache policy loading experts)."""
+    cfg, W = model.cfg, model.weights
+    k, E = cfg.n_expert_used, cfg.n_embd
+    seq = be.new_seq(dump)
+    window = NgramWindow.start(cfg) if cfg.ple_layers else None
+    out = []
+    try:
+        for t in tokens:
+            ple_e = ple_gather(W.per_layer_token_embd, ple_rows(cfg, t, window.prev)) if window else None
+            if whole:
+                be.decode_token(seq, t, ple_e)
+            else:
+                be.begin(seq, t, ple_e)
+                for il in range(cfg.n_layer):
+                    be.launch_pre(seq, il)
+                    r = _wait(lambda: be.poll_route(seq, il), f"route of layer {il}")
+                    if cache is not None:
+                        cache(il, r.ids)
+                    mask = be.resident(il, r.ids)
+                    parts = np.zeros((k, E), np.float32)
+                    for j in np.flatnonzero(~mask):
+                        parts[j] = expert_ffn(*W.layers[il].expert(int(r.ids[j])), r.x)
+                    be.launch_post(seq, il, parts, mask)
+                be.launch_head(seq)
+            out.append(_wait(lambda: be.poll_logits(seq), "logits"))
+            if window is not None:
+                window.advance(cfg, t)
+    finally:
+        be.free_seq(seq)
+    return np.stack(out)
+
+
+def _check(name, out, ref):
+    err = rel_err(out, ref)
+    print(f"{name}: max rel err {err.max():.2e} at position {err.argmax()} of {len(err)}")
+    assert out.shape == ref.shape
+    assert err.max() <= TOL, f"{name}: max rel err {err.max():.2e} at position {err.argmax()}"
+
+
+def test_vram_logits_match_transformers(case):
+    spec, model, tokens, ref = case
+    be = CudaBackend(model, experts="vram", max_ctx=128, log=print)
+    try:
+        _check(f"{spec.name} vram", run_protocol(be, model, tokens), ref)
+    finally:
+        be.close()
+
+
+def test_host_experts_all_misses(case):
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the host path (the kernels are shared)")
+    be = CudaBackend(model, experts="host", max_ctx=128, log=print)
+    try:
+        assert be.expert_slots() == 0
+        _check(f"{spec.name} host", run_protocol(be, model, tokens), ref)
+    finally:
+        be.close()
+
+
+def test_partial_cache(case):
+    """A few slots, filled round-robin by the host between the route and the post of the same layer: some of the
+    layer's experts become resident while it runs (post waits for their copies), evicted ones go back to the host."""
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the cache path")
+    probe = CudaBackend(model, experts="host", max_ctx=128, log=print)
+    budget = probe.A.total + 6 * probe.slot_bytes + (1 << 20)
+    probe.close()
+    be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, log=print)
+    W = model.weights
+    n_slots = be.expert_slots()
+    assert 0 < n_slots < model.cfg.n_layer * model.cfg.n_expert
+    nxt = [0]
+    hits = [0, 0]
+
+    def cache(il, ids):
+        mask = be.resident(il, ids)
+        hits[0] += int(mask.sum())
+        hits[1] += len(ids)
+        for e in [int(e) for e, m in zip(ids, mask) if not m][:2]:
+            be.load_expert(il, e, nxt[0], *(m.raw for m in W.layers[il].expert(e)))
+            nxt[0] = (nxt[0] + 1) % n_slots
+    try:
+        _check(f"{spec.name} cache({n_slots} slots)", run_protocol(be, model, tokens, cache=cache), ref)
+        print(f"cache hits {hits[0]} of {hits[1]} routed experts")
+        assert 0 < hits[0] < hits[1]
+    finally:
+        be.close()
+
+
+def test_stage_dump_matches_reference(case):
+    """The C1 oracle: every stage of every layer against the numpy reference's dump (bisects a failure)."""
+    spec, model, tokens, _ = case
+    toks = tokens[:2 * spec.budget]
+    ours = StageDump()
+    be = CudaBackend(model, experts="vram", max_ctx=128, log=print)
+    try:
+        run_protocol(be, model, toks, dump=ours)
+    finally:
+        be.close()
+    ref = StageDump()
+    rm = RefModel(model.weights)
+    st = rm.new_state(ref)
+    for t in toks:
+        rm.step(st, t)
+    assert len(set(ours.data) & set(ref.data)) >= len(toks) * model.cfg.n_layer * 8
+    assert first_divergence(ours, ref, rtol=1e-4) is None, f"first divergence: {first_divergence(ours, ref, 1e-4)}"
+
+
+def test_replay_equals_eager_bitwise(case):
+    """64 steps: captured graphs replayed == the same kernels launched one by one, bit for bit; the whole-token
+    graph == the per-layer graphs. Then the doorbell's launch-to-host-seen latency."""
+    spec, model, tokens, _ = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the bitwise replay check")
+    toks = (tokens * 2)[:64]
+    graphs = CudaBackend(model, experts="vram", max_ctx=128, graphs=True, log=print)
+    try:
+        replayed = run_protocol(graphs, model, toks)
+        whole = run_protocol(graphs, model, toks, whole=True)
+        lat = graphs.measure_doorbell(200) * 1e6
+        print(f"doorbell launch-to-host-seen: median {np.median(lat):.1f} us, p90 {np.percentile(lat, 90):.1f} us "
+              f"({len(lat)} rings)")
+    finally:
+        graphs.close()
+    eager = CudaBackend(model, experts="vram", max_ctx=128, graphs=False, log=print)
+    try:
+        direct = run_protocol(eager, model, toks)
+    finally:
+        eager.close()
+    assert np.array_equal(replayed, direct), f"replay differs from eager at {np.argwhere(replayed != direct)[:3]}"
+    assert np.array_equal(whole, replayed), "the whole-token graph differs from the per-layer graphs"
+    assert np.median(lat) < 200.0

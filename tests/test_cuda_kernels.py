@@ -1,0 +1,547 @@
+"""Every CUDA kernel against the numpy reference (strata.reference.*, strata.quant.dequant) on fresh random inputs.
+
+The contract is the f32 path: ||out - ref|| / ||ref|| <= 1e-5, the reference in float64 for GEMVs (dequantized
+weights @ x) and strata.reference's float32 functions for the rest. Outputs are poisoned with NaN before each
+run, so an unwritten element fails. Sizes are not multiples of the block or warp sizes where the op allows.
+Skipped, with the reason, where there is no GPU or no cuda-bindings.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata.config import ModelConfig
+from strata.cuda import driver as drv
+
+pytestmark = pytest.mark.gpu
+_WHY = drv.available()
+if _WHY is not None:
+    pytest.skip(f"CUDA kernels need a GPU: {_WHY}", allow_module_level=True)
+
+from strata.cuda.arena import Arena, DevMat                                  # noqa: E402
+from strata.cuda.weights import device_rows                                  # noqa: E402
+from strata.kernels import Kernels                                           # noqa: E402
+from strata.kernels import gdn as kgdn                                       # noqa: E402
+from strata.kernels import gemv as kgemv                                     # noqa: E402
+from strata.kernels import hc as khc                                         # noqa: E402
+from strata.kernels import moe as kmoe                                       # noqa: E402
+from strata.kernels import ple as kple                                       # noqa: E402
+from strata.kernels import qsa as kqsa                                       # noqa: E402
+from strata.kernels.gemv import Job, device_row_bytes                        # noqa: E402
+from strata.quant.dequant import dequantize                                  # noqa: E402
+from strata.quant.formats import QType, row_bytes, type_size                 # noqa: E402
+from strata.reference.common import rms_norm, rope_inv_freq                  # noqa: E402
+from strata.reference.gdn import GdnState, gdn_step                          # noqa: E402
+from strata.reference.hc import gr_read, gr_write                            # noqa: E402
+from strata.reference.moe import combine, expert_ffn, route                  # noqa: E402
+from strata.reference.ple import PleState, ple_block                         # noqa: E402
+from strata.reference.qsa import QsaState, qsa_step, select_blocks           # noqa: E402
+
+TOL = 1e-5
+F32 = np.float32
+
+# where each block format keeps its fp16 scales: (offset of d, offset of dmin/m or None)
+SCALES = {QType.Q4_0: (0, None), QType.Q4_1: (0, 2), QType.Q5_0: (0, None), QType.Q5_1: (0, 2),
+          QType.Q8_0: (0, None), QType.Q2_0: (0, None), QType.IQ4_NL: (0, None), QType.Q2_K: (80, 82),
+          QType.Q3_K: (108, None), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208, None),
+          QType.IQ4_XS: (0, None)}
+
+
+def rel(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def random_matrix(qt: QType, n_out: int, n_in: int, rng, scale: float = 1.0) -> np.ndarray:
+    """Valid random blocks of qt: uint8 (n_out, row_bytes); fp16 scales finite, about `scale` x U(0.2, 1).
+    scale ~ 1 / (64 sqrt(n_in)) keeps W @ x O(1) for unit x, so the gates that follow do not saturate."""
+    if qt in (QType.F32, QType.F16, QType.BF16):
+        v = (rng.standard_normal((n_out, n_in)) * scale).astype(F32)
+        if qt == QType.F32:
+            return v.view(np.uint8)
+        if qt == QType.F16:
+            return v.astype(np.float16).view(np.uint8)
+        return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    rb, ts = row_bytes(qt, n_in), type_size(qt)
+    raw = rng.integers(0, 256, (n_out, rb), dtype=np.uint8)
+    blocks = raw.reshape(-1, ts)
+    d_off, m_off = SCALES[qt]
+    for off in (d_off, m_off):
+        if off is not None:
+            h = (scale * rng.uniform(0.2, 1.0, blocks.shape[0]) * rng.choice([-1, 1], blocks.shape[0])).astype(np.float16)
+            blocks[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+class Rig:
+    """One arena per test: reserve, commit, fill, launch eagerly, read back."""
+
+    def __init__(self, dev, kern):
+        self.dev, self.k = dev, kern
+        self.A = Arena()
+        self.stream = drv.Stream()
+        self.fills: list = []
+
+    def buf(self, name, shape, dtype=F32, value=None):
+        a = self.A.reserve(name, shape, dtype)
+        if value is not None:
+            self.fills.append((a, np.asarray(value, dtype).reshape(a.shape)))
+        return a
+
+    def mat(self, name, raw: np.ndarray, qt: QType, n_out: int, n_in: int, n_mat: int = 1) -> DevMat:
+        rows = device_rows(raw, qt, n_out * n_mat, n_in)
+        a = self.buf(name, (rows.size,), np.uint8, rows.reshape(-1))
+        return DevMat(a, int(qt), n_out, n_in, device_row_bytes(qt, n_in), n_mat)
+
+    def commit(self):
+        self.A.commit()
+        self.A.zero(self.stream)
+        for a, v in self.fills:
+            a.upload(v)
+
+    def poison(self, *arrays):
+        for a in arrays:
+            a.upload(np.full(a.shape, np.nan, a.dtype) if a.dtype.kind == "f" else np.full(a.shape, -7, a.dtype))
+
+    def run(self, *launches):
+        for launch in launches:
+            launch.enqueue(self.stream)
+        self.stream.synchronize("test")
+
+    def close(self):
+        self.A.free()
+        self.stream.destroy()
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    dev = drv.Device.open()
+    return dev, Kernels(dev.arch)
+
+
+@pytest.fixture
+def rig(gpu):
+    r = Rig(*gpu)
+    yield r
+    r.close()
+
+
+def cfg_tiny(**kw) -> ModelConfig:
+    base = dict(n_layer=4, n_embd=100, n_vocab=77, n_ctx_train=4096, rms_eps=1e-6, n_head=4, n_head_kv=2,
+                head_dim=32, n_rot=8, rope_base=1e7, idx_heads=4, idx_dim=16, idx_budget=8,
+                compress_ratios=(0, 0, 0, 4), ssm_conv=4, ssm_state=16, ssm_k_heads=2, ssm_v_heads=6,
+                recurrent=(True, True, True, False), hc=4, hc_rank=12, n_expert=13, n_expert_used=3, n_ff_exp=20,
+                n_ff_shexp=24)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# ---- GEMV: every kernel format, odd row counts, short and split rows, several jobs per launch -------------
+
+GEMV_CASES = [(qt, n) for qt in sorted(kgemv.KERNEL_TYPES) for n in (1, 3)]
+
+
+@pytest.mark.parametrize("qt,blocks", GEMV_CASES, ids=[f"{QType(q).name}-{b}" for q, b in GEMV_CASES])
+def test_gemv_formats(rig, qt, blocks):
+    rng = np.random.default_rng(int(qt) * 7 + blocks)
+    qk = kgemv.BLOCKS[qt][0]
+    n_in = 8 * blocks * 12 + 3 if qt in kgemv.FLOAT_TYPES else qk * blocks      # floats: not a multiple of 8
+    n_long = 4099 if qt in kgemv.FLOAT_TYPES else qk * max(2, 4096 // qk)      # many parts: 2-8 warps per row
+    jobs_in = [(37, n_in), (5, n_long)]
+    mats, xs, ys, refs = [], [], [], []
+    for i, (n_out, n) in enumerate(jobs_in):
+        raw = random_matrix(qt, n_out, n, rng)
+        x = rng.standard_normal(n).astype(F32)
+        mats.append(rig.mat(f"w{i}", raw, qt, n_out, n))
+        xs.append(rig.buf(f"x{i}", (n,), value=x))
+        ys.append(rig.buf(f"y{i}", (n_out,)))
+        W = dequantize(raw, qt).reshape(n_out, n).astype(np.float64)
+        refs.append(W @ x.astype(np.float64))
+    table = kgemv.job_table("jobs", 2, rig.A.reserve)
+    rig.commit()
+    launch = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table,
+                               [Job(m, x, y) for m, x, y in zip(mats, xs, ys)])
+    for _ in range(2):                                   # twice: the same launch, re-run, is the same function
+        rig.poison(*ys)
+        rig.run(launch)
+        for y, ref in zip(ys, refs):
+            assert rel(y.download(), ref) <= TOL, f"{QType(qt).name}: {y.name} rel err {rel(y.download(), ref):.2e}"
+    assert kgemv.warps_per_row(qt, n_long) > 1
+
+
+def test_gemv_mixed_jobs_and_glu(rig):
+    """One launch, four jobs of four types, one of them a GLU pair: y = silu(G x) * (U x)."""
+    rng = np.random.default_rng(5)
+    n = 512
+    x = rng.standard_normal(n).astype(F32)
+    specs = [(QType.Q4_K, 33), (QType.BF16, 9), (QType.IQ4_XS, 70), (QType.Q8_0, 1)]
+    jobs, ys, refs = [], [], []
+    xb = rig.buf("x", (n,), value=x)
+    for i, (qt, n_out) in enumerate(specs):
+        raw = random_matrix(qt, n_out, n, rng)
+        m = rig.mat(f"w{i}", raw, qt, n_out, n)
+        y = rig.buf(f"y{i}", (n_out,))
+        ref = dequantize(raw, qt).reshape(n_out, n).astype(np.float64) @ x
+        w2 = None
+        if i == 0:
+            raw2 = random_matrix(QType.Q6_K, n_out, n, rng)
+            w2 = rig.mat("w0b", raw2, QType.Q6_K, n_out, n)
+            up = dequantize(raw2, QType.Q6_K).reshape(n_out, n).astype(np.float64) @ x
+            with np.errstate(over="ignore"):                  # silu of a large negative logit is -0
+                ref = ref / (1 + np.exp(-ref)) * up
+        jobs.append(Job(m, xb, y, w2=w2))
+        ys.append(y)
+        refs.append(ref)
+    table = kgemv.job_table("jobs", len(jobs), rig.A.reserve)
+    rig.commit()
+    launch = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, jobs)
+    rig.poison(*ys)
+    rig.run(launch)
+    for y, ref, (qt, _) in zip(ys, refs, specs):
+        assert rel(y.download(), ref) <= TOL, f"{qt.name}: {rel(y.download(), ref):.2e}"
+
+
+@pytest.mark.parametrize("qt", sorted(kgemv.KERNEL_TYPES), ids=lambda q: QType(q).name)
+def test_embed_rms(rig, qt):
+    """The embedding row of a token dequantized into every stream, then the first read's grouped norm."""
+    rng = np.random.default_rng(int(qt))
+    hc, vocab = 3, 29
+    E = kgemv.BLOCKS[qt][0] * 2 if qt not in kgemv.FLOAT_TYPES else 100
+    raw = random_matrix(qt, vocab, E, rng)
+    table = rig.mat("table", raw, qt, vocab, E)
+    token = 17
+    step = rig.buf("step", (8,), np.int32, np.array([token, 0, 0, 0, 0, 0, 0, 0]))
+    norm = (1 + 0.1 * rng.standard_normal((hc, E))).astype(F32)
+    nb = rig.buf("norm", (hc, E), value=norm)
+    R, xn = rig.buf("R", (hc, E)), rig.buf("xn", (hc, E))
+    rig.commit()
+    rig.poison(R, xn)
+    rig.run(kgemv.embed_launch(rig.k.fn("gemv", "embed_rms"), "embed", table, step, R, nb, xn, hc, 1e-6))
+    row = dequantize(raw, qt).reshape(vocab, E)[token]
+    Rr = np.repeat(row[None], hc, 0)
+    assert rel(R.download(), Rr) <= 1e-6
+    assert rel(xn.download(), rms_norm(Rr, norm, 1e-6)) <= TOL
+
+
+# ---- the gated residual -----------------------------------------------------------------------------------
+
+def _hc_weights(rng, hc, E, r, qt=QType.Q8_0):
+    """down (r, hc*E), up (hc*E, r), inject (hc, hc*E) as random blocks of qt (rows must hold whole blocks)."""
+    out = {}
+    for name, (n_out, n_in) in {"down": (r, hc * E), "up": (hc * E, r), "inject": (hc, hc * E)}.items():
+        t = qt if n_in % kgemv.BLOCKS[qt][0] == 0 else QType.F32
+        raw = random_matrix(t, n_out, n_in, rng, 1 / (64 * np.sqrt(n_in)) if t != QType.F32 else 1 / np.sqrt(n_in))
+        out[name] = (raw, t, n_out, n_in, dequantize(raw, t).reshape(n_out, n_in))
+    return out
+
+
+@pytest.mark.parametrize("hc,E,r", [(4, 100, 12), (3, 256, 64), (4, 2560, 320)])
+def test_gr_read(rig, hc, E, r):
+    """rms_group -> GEMV(down, inject) -> up_mix against strata.reference.hc.gr_read."""
+    rng = np.random.default_rng(E)
+    Rv = rng.standard_normal((hc, E)).astype(F32)
+    norm = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
+    w = _hc_weights(rng, hc, E, r)
+    R, nb = rig.buf("R", (hc, E), value=Rv), rig.buf("norm", (hc, E), value=norm)
+    xn, lo, inj, mixed = rig.buf("xn", (hc, E)), rig.buf("lo", (r,)), rig.buf("inj", (hc,)), rig.buf("mixed", (E,))
+    m = {k: rig.mat(k, v[0], v[1], v[2], v[3]) for k, v in w.items()}
+    table = kgemv.job_table("jobs", 2, rig.A.reserve)
+    rig.commit()
+    k = rig.k
+    launches = [khc.rms_group_launch(k.fn("hc", "rms_group"), "rms", R, nb, xn, hc, E, 1e-6),
+                kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "down", table, [Job(m["down"], xn, lo),
+                                                                              Job(m["inject"], xn, inj)]),
+                khc.up_mix_launch(k.fn("hc", "up_mix"), "up", m["up"], lo, xn, mixed, hc, E)]
+    rig.poison(xn, lo, inj, mixed)
+    rig.run(*launches)
+    ref_mixed, ref_inj = gr_read(Rv, norm, w["down"][4], w["up"][4], w["inject"][4], 1e-6)
+    assert rel(xn.download(), rms_norm(Rv, norm, 1e-6)) <= TOL
+    assert rel(mixed.download(), ref_mixed) <= TOL
+    with np.errstate(over="ignore"):                          # the kernels keep the raw logit; writers apply this
+        got_inj = 2 / (1 + np.exp(-inj.download().astype(np.float64) / hc))
+    assert rel(got_inj, ref_inj) <= TOL
+
+
+def test_write_rms(rig):
+    rng = np.random.default_rng(3)
+    hc, E = 4, 333
+    Rv, out = rng.standard_normal((hc, E)).astype(F32), rng.standard_normal(E).astype(F32)
+    inj_raw = rng.standard_normal(hc).astype(F32)
+    norm = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
+    R = rig.buf("R", (hc, E), value=Rv)
+    ib, ob, nb, xn = (rig.buf("inj", (hc,), value=inj_raw), rig.buf("out", (E,), value=out),
+                      rig.buf("norm", (hc, E), value=norm), rig.buf("xn", (hc, E)))
+    rig.commit()
+    rig.poison(xn)
+    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6))
+    inject = (2 / (1 + np.exp(-inj_raw / hc))).astype(F32)
+    Rn = gr_write(Rv, inject, out)
+    assert rel(R.download(), Rn) <= TOL
+    assert rel(xn.download(), rms_norm(Rn, norm, 1e-6)) <= TOL
+
+
+# ---- GDN ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
+def test_gdn_core(rig, Hk, Hv, D):
+    """gdn_core over 7 tokens (the conv ring wraps) against gdn_step, with ssm_out = identity so its output is y."""
+    rng = np.random.default_rng(D + Hv)
+    cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
+    E, K, cd, vd = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim
+    w = SimpleNamespace(
+        attn_qkv=(rng.standard_normal((cd, E)) / np.sqrt(E)).astype(F32),
+        attn_gate=(rng.standard_normal((vd, E)) / np.sqrt(E)).astype(F32),
+        ssm_beta=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
+        ssm_alpha=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
+        ssm_dt=(0.5 * rng.standard_normal(Hv)).astype(F32), ssm_a=-rng.uniform(0.01, 4, Hv).astype(F32),
+        ssm_conv1d=(0.5 * rng.standard_normal((cd, K))).astype(F32),
+        ssm_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32), ssm_out=np.eye(E, vd, dtype=F32))
+    st = GdnState.zeros(cfg)
+    qkv, z, al, be = rig.buf("qkv", (cd,)), rig.buf("z", (vd,)), rig.buf("alpha", (Hv,)), rig.buf("beta", (Hv,))
+    cw, dt, A, nw = (rig.buf("conv", (cd, K), value=w.ssm_conv1d), rig.buf("dt", (Hv,), value=w.ssm_dt),
+                     rig.buf("A", (Hv,), value=w.ssm_a), rig.buf("norm", (D,), value=w.ssm_norm))
+    ring, S, y, step = (rig.buf("ring", (K, cd)), rig.buf("S", (Hv, D, D)), rig.buf("y", (vd,)),
+                        rig.buf("step", (8,), np.int32))
+    rig.commit()
+    launch = kgdn.gdn_core_launch(rig.k.fn("gdn", "gdn_core"), "gdn", cfg, qkv, z, al, be, cw, dt, A, nw, ring, S, y,
+                                  step)
+    for t in range(7):
+        x = rng.standard_normal(E).astype(F32)
+        for buf, v in ((qkv, w.attn_qkv @ x), (z, w.attn_gate @ x), (al, w.ssm_alpha @ x), (be, w.ssm_beta @ x)):
+            buf.upload(v.astype(F32))
+        step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        rig.poison(y)
+        rig.run(launch)
+        ref = gdn_step(cfg, w, st, x)
+        assert rel(y.download(), ref) <= TOL, f"t={t}"
+        assert rel(S.download(), st.S) <= TOL, f"state t={t}"
+        got_conv = ring.download()[[(t - (K - 2) + j) % K for j in range(K - 1)]]   # positions t-2 .. t, oldest first
+        assert rel(got_conv, st.conv) <= TOL
+
+
+# ---- QSA ---------------------------------------------------------------------------------------------------
+
+def _qsa_rig(rig, cfg, rng, max_ctx, nsplit):
+    H, Hkv, D, Hi, Di, E = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.idx_heads, cfg.idx_dim, cfg.n_embd
+    il = 3
+    ratio = cfg.compress_ratios[il]
+    m = lambda o, i: (rng.standard_normal((o, i)) / np.sqrt(i)).astype(F32)
+    w = SimpleNamespace(attn_q=m(2 * H * D, E), attn_k=m(Hkv * D, E), attn_v=m(Hkv * D, E), attn_output=m(E, H * D),
+                        indexer_q_proj=m(Hi * Di, E), indexer_k_proj=m(Di, E),
+                        attn_q_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32),
+                        attn_k_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32),
+                        indexer_q_norm=(1 + 0.2 * rng.standard_normal(Di)).astype(F32),
+                        indexer_k_norm=(1 + 0.2 * rng.standard_normal(Di)).astype(F32))
+    b = SimpleNamespace()
+    b.x = rig.buf("x", (E,))
+    b.qg, b.kr, b.vr = rig.buf("qg", (2 * H * D,)), rig.buf("kr", (Hkv * D,)), rig.buf("vr", (Hkv * D,))
+    b.iqr, b.ikr = rig.buf("iqr", (Hi * Di,)), rig.buf("ikr", (Di,))
+    norms = [rig.buf(n, v.shape, value=v) for n, v in (("qn", w.attn_q_norm), ("kn", w.attn_k_norm),
+                                                       ("iqn", w.indexer_q_norm), ("ikn", w.indexer_k_norm))]
+    b.inv = rig.buf("inv_freq", (cfg.n_rot // 2,), value=rope_inv_freq(cfg.n_rot, cfg.rope_base))
+    b.q, b.iq = rig.buf("q", (H, D)), rig.buf("iq", (Hi, Di))
+    b.Kc, b.Vc = rig.buf("Kc", (max_ctx, Hkv, D)), rig.buf("Vc", (max_ctx, Hkv, D))
+    b.idx_raw, b.idx_blk = rig.buf("idx_raw", (max_ctx, Di)), rig.buf("idx_blk", (max_ctx // ratio, Di))
+    b.scores, b.sel, b.meta = (rig.buf("scores", (max_ctx // ratio,)), rig.buf("sel", (max_ctx // ratio,), np.int32),
+                               rig.buf("meta", (2,), np.int32))
+    b.part, b.att, b.out = rig.buf("part", (H, nsplit, D + 2)), rig.buf("att", (H * D,)), rig.buf("out", (E,))
+    b.step = rig.buf("step", (8,), np.int32)
+    mats = {k: rig.mat(k, getattr(w, k).view(np.uint8), QType.F32, *getattr(w, k).shape)
+            for k in ("attn_q", "attn_k", "attn_v", "indexer_q_proj", "indexer_k_proj", "attn_output")}
+    t_proj, t_out = kgemv.job_table("proj", 5, rig.A.reserve), kgemv.job_table("out", 1, rig.A.reserve)
+    rig.commit()
+    k, n_sm = rig.k, rig.dev.n_sm
+    launches = [
+        kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "proj", t_proj,
+                          [Job(mats["attn_q"], b.x, b.qg), Job(mats["attn_k"], b.x, b.kr), Job(mats["attn_v"], b.x, b.vr),
+                           Job(mats["indexer_q_proj"], b.x, b.iqr), Job(mats["indexer_k_proj"], b.x, b.ikr)]),
+        kqsa.prep_launch(k.fn("qsa", "qsa_prep"), "prep", cfg, il, b.qg, b.kr, b.vr, b.iqr, b.ikr, *norms, b.inv, b.q,
+                         b.Kc, b.Vc, b.iq, b.idx_raw, b.idx_blk, b.step, max_ctx),
+        kqsa.score_launch(k.fn("qsa", "qsa_score"), "score", cfg, il, b.iq, b.idx_blk, b.scores, b.step, max_ctx, n_sm),
+        kqsa.select_launch(k.fn("qsa", "qsa_select"), "select", cfg, il, b.scores, b.sel, b.meta, b.step, max_ctx),
+        kqsa.attn_launch(k.fn("qsa", "qsa_attn"), "attn", cfg, il, b.q, b.Kc, b.Vc, b.sel, b.meta, b.part, b.step,
+                         max_ctx, nsplit),
+        kqsa.combine_launch(k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.att, nsplit),
+        kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "out", t_out, [Job(mats["attn_output"], b.att, b.out)])]
+    return w, b, launches, il
+
+
+@pytest.mark.parametrize("geom", ["tiny", "flash_heads"])
+def test_qsa_layer(rig, geom):
+    """The QSA kernels in order, token by token past 4x the budget, against qsa_step (dense then sparse)."""
+    rng = np.random.default_rng(11)
+    if geom == "tiny":
+        cfg, n_tok = cfg_tiny(n_embd=72), 50
+    else:
+        cfg, n_tok = cfg_tiny(n_embd=96, n_head=24, n_head_kv=2, head_dim=256, n_rot=64, idx_heads=4, idx_dim=128,
+                              idx_budget=16), 40
+    max_ctx, nsplit = 64, 7
+    w, b, launches, il = _qsa_rig(rig, cfg, rng, max_ctx, nsplit)
+    st, inv = QsaState.empty(cfg), rope_inv_freq(cfg.n_rot, cfg.rope_base)
+    sparse = 0
+    for t in range(n_tok):
+        x = rng.standard_normal(cfg.n_embd).astype(F32)
+        b.x.upload(x)
+        b.step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        rig.poison(b.out, b.att, b.q)
+        rig.run(*launches)
+        ref, info = qsa_step(cfg, il, w, st, x, t, inv)
+        assert rel(b.out.download(), ref) <= TOL, f"t={t}"
+        if info["scores"] is not None:
+            sparse += 1
+            nb = (t + 1) // cfg.compress_ratios[il]
+            assert rel(b.scores.download()[:nb], info["scores"]) <= TOL
+    assert rel(b.idx_blk.download()[:st.idx_blocks.n], st.idx_blocks.view()) <= TOL
+    assert sparse > n_tok // 2
+
+
+def test_qsa_select_ties(rig):
+    """Top-k with many exact ties at the cut: lower block indices win, like select_blocks."""
+    cfg = cfg_tiny(idx_budget=40)                 # top 10 blocks of ratio 4
+    il, ratio, max_ctx = 3, 4, 4096
+    scores = rig.buf("scores", (max_ctx // ratio,))
+    sel, meta, step = (rig.buf("sel", (max_ctx // ratio,), np.int32), rig.buf("meta", (2,), np.int32),
+                       rig.buf("step", (8,), np.int32))
+    rig.commit()
+    launch = kqsa.select_launch(rig.k.fn("qsa", "qsa_select"), "select", cfg, il, scores, sel, meta, step, max_ctx)
+    rng = np.random.default_rng(2)
+    for t in (39, 41, 402, 1001, 4095):
+        nb = (t + 1) // ratio
+        s = rng.integers(0, 6, nb).astype(F32) * 0.25          # few distinct values: ties everywhere
+        scores.upload(np.pad(s, (0, max_ctx // ratio - nb), constant_values=np.nan))
+        step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        rig.poison(sel, meta)
+        rig.run(launch)
+        n_sel, n_cells = meta.download()
+        want = np.sort(select_blocks(s, cfg.block_topk(il))) if nb > cfg.block_topk(il) else np.arange(nb)
+        assert n_sel == len(want) and n_cells == len(want) * ratio + (t + 1 - nb * ratio)
+        assert np.array_equal(sel.download()[:n_sel], want), f"t={t}"
+
+
+# ---- MoE ---------------------------------------------------------------------------------------------------
+
+def test_route_and_doorbell(rig):
+    from strata.cuda.doorbell import Doorbell
+    rng = np.random.default_rng(4)
+    cfg = cfg_tiny(n_expert=512, n_expert_used=10, n_embd=2560)
+    E, n, k = cfg.n_embd, cfg.n_expert, cfg.n_expert_used
+    logits, x = rig.buf("logits", (n,)), rig.buf("x", (E,))
+    ids, wts, step = rig.buf("ids", (k,), np.int32), rig.buf("wts", (k,)), rig.buf("step", (8,), np.int32)
+    rig.commit()
+    db = Doorbell(E, k)
+    try:
+        launch = kmoe.route_launch(rig.k.fn("moe", "moe_route"), "route", cfg, 5, logits, x, ids, wts, step, db.ptrs)
+        for ring in (100, 200):
+            w = SimpleNamespace(ffn_gate_inp=np.eye(n, dtype=F32))
+            lv = rng.standard_normal(n).astype(F32) * 3
+            lv[7] = lv[300] = lv.max() + 1                     # a tie in the top 10: the lower id first
+            xv = rng.standard_normal(E).astype(F32)
+            logits.upload(lv)
+            x.upload(xv)
+            step.upload(np.array([0, 0, ring, 0, 0, 0, 0, 0], np.int32))
+            rig.poison(ids, wts)
+            rig.run(launch)
+            ref_ids, ref_w = route(cfg, w, lv)
+            assert np.array_equal(ids.download(), ref_ids)
+            assert rel(wts.download(), ref_w) <= TOL
+            assert db.value() == ring + 5
+            dx, di, dw = db.payload()
+            assert np.array_equal(dx, xv) and np.array_equal(di, ref_ids) and rel(dw, ref_w) <= TOL
+    finally:
+        db.free()
+
+
+@pytest.mark.parametrize("qt", [QType.Q2_0, QType.Q4_K, QType.F32])
+def test_experts(rig, qt):
+    """gate/up GLU and down over k selected experts at their slots; slot -1 rows are the host's, left unwritten."""
+    rng = np.random.default_rng(int(qt))
+    E, Fn = (256, 256) if qt == QType.Q4_K else ((128, 192) if qt == QType.Q2_0 else (100, 20))
+    cfg = cfg_tiny(n_embd=E, n_ff_exp=Fn, n_expert=6, n_expert_used=4)
+    n_slot = 5
+    sc = (lambda n: 1 / np.sqrt(n)) if qt == QType.F32 else (lambda n: 1 / (64 * np.sqrt(n)))
+    g_raw, u_raw, d_raw = (random_matrix(qt, n_slot * Fn, E, rng, sc(E)), random_matrix(qt, n_slot * Fn, E, rng, sc(E)),
+                           random_matrix(qt, n_slot * E, Fn, rng, sc(Fn)))
+    G, U, Dn = (dequantize(g_raw, qt).reshape(n_slot, Fn, E), dequantize(u_raw, qt).reshape(n_slot, Fn, E),
+                dequantize(d_raw, qt).reshape(n_slot, E, Fn))
+    gm, um, dm = (rig.mat("gate", g_raw, qt, Fn, E, n_slot), rig.mat("up", u_raw, qt, Fn, E, n_slot),
+                  rig.mat("down", d_raw, qt, E, Fn, n_slot))
+    bank = kmoe.ExpertBank(gm, 0, um, 0, dm, 0, (gm.mat_bytes, um.mat_bytes, dm.mat_bytes))
+    slots_v = np.array([3, -1, 0, 4], np.int32)
+    xv = rng.standard_normal(E).astype(F32)
+    job, slots = rig.buf("job", (96,), np.uint8), rig.buf("slots", (4,), np.int32, slots_v)
+    x, h, out = rig.buf("x", (E,), value=xv), rig.buf("h", (4, kmoe.padded_ff(cfg))), rig.buf("out", (4, E))
+    rig.commit()
+    gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts", cfg, job,
+                                  bank, slots, x, h, out)
+    rig.poison(h, out)
+    rig.run(gu, dn)
+    got = out.download()
+    for j, s in enumerate(slots_v):
+        if s < 0:
+            assert np.isnan(got[j]).all(), "a host expert's row was written"
+            continue
+        ref = expert_ffn(G[s].astype(np.float64), U[s].astype(np.float64), Dn[s].astype(np.float64), xv)
+        assert rel(got[j], ref) <= TOL, f"expert slot {s}: {rel(got[j], ref):.2e}"
+
+
+def test_combine_write_rms(rig):
+    rng = np.random.default_rng(8)
+    cfg = cfg_tiny(n_embd=300, n_expert_used=5, hc=3)
+    k, E, hc = 5, 300, 3
+    wv, gp, hp = rng.dirichlet(np.ones(k)).astype(F32), rng.standard_normal((k, E)).astype(F32), \
+        rng.standard_normal((k, E)).astype(F32)
+    slots_v = np.array([2, -1, 0, -1, 9], np.int32)
+    sh, sg = rng.standard_normal(E).astype(F32), rng.standard_normal(1).astype(F32)
+    inj, Rv = rng.standard_normal(hc).astype(F32), rng.standard_normal((hc, E)).astype(F32)
+    nv = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
+    bufs = [rig.buf(n, v.shape, v.dtype, v) for n, v in (("w", wv), ("slots", slots_v), ("gp", gp), ("hp", hp),
+                                                         ("sh", sh), ("sg", sg), ("inj", inj))]
+    R, comb, nb, xn = rig.buf("R", (hc, E), value=Rv), rig.buf("comb", (E,)), rig.buf("n", (hc, E), value=nv), \
+        rig.buf("xn", (hc, E))
+    rig.commit()
+    rig.poison(comb, xn)
+    rig.run(kmoe.combine_launch(rig.k.fn("moe", "combine_write_rms"), "combine", cfg, *bufs, R, comb, nb, xn))
+    parts = np.where(slots_v[:, None] >= 0, gp, hp)
+    out = combine(wv, parts, sh * (1 / (1 + np.exp(-sg[0]))).astype(F32))
+    Rn = gr_write(Rv, (2 / (1 + np.exp(-inj / hc))).astype(F32), out)
+    assert rel(comb.download(), out) <= TOL
+    assert rel(R.download(), Rn) <= TOL
+    assert rel(xn.download(), rms_norm(Rn, nv, 1e-6)) <= TOL
+
+
+# ---- PLE ---------------------------------------------------------------------------------------------------
+
+def test_ple_mix(rig):
+    """ple_mix over 12 tokens (the 9-row history wraps) against ple_block, key/value projections from numpy."""
+    rng = np.random.default_rng(9)
+    hc, E = 3, 130
+    cfg = cfg_tiny(n_embd=E, hc=hc, ple_layers=(1,), ple_ngram=3, ple_heads_per_ngram=2, ple_conv=4, ple_eos=5,
+                   ple_row=20, ple_multipliers=(1, 2, 3), ple_offsets=(0, 10, 20, 30), ple_vocab_sizes=(10,) * 4)
+    C, P = cfg.hc_dim, cfg.ple_dim
+    nrm = lambda: (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
+    w = SimpleNamespace(ple_key=(rng.standard_normal((C, P)) / np.sqrt(P)).astype(F32),
+                        ple_value=(rng.standard_normal((E, P)) / np.sqrt(P)).astype(F32),
+                        ple_norm_key=nrm(), ple_norm_query=nrm(), ple_norm_conv=nrm(),
+                        ple_conv1d=(0.5 * rng.standard_normal((C, cfg.ple_conv))).astype(F32))
+    st = PleState.start(cfg)
+    R, key, value = rig.buf("R", (hc, E)), rig.buf("key", (C,)), rig.buf("value", (E,))
+    norms = [rig.buf(n, (hc, E), value=getattr(w, n)) for n in ("ple_norm_key", "ple_norm_query", "ple_norm_conv")]
+    cw, hist, step = (rig.buf("conv", (C, cfg.ple_conv), value=w.ple_conv1d), rig.buf("hist", (cfg.ple_hist, C)),
+                      rig.buf("step", (8,), np.int32))
+    rig.commit()
+    launch = kple.ple_mix_launch(rig.k.fn("ple", "ple_mix"), "ple", cfg, R, key, value, *norms, cw, hist, step)
+    for t in range(12):
+        e = rng.standard_normal(P).astype(F32)
+        Rv = rng.standard_normal((hc, E)).astype(F32)
+        R.upload(Rv)
+        key.upload(w.ple_key @ e)
+        value.upload(w.ple_value @ e)
+        step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        rig.run(launch)
+        ref = ple_block(cfg, w, st, Rv, e)
+        assert rel(R.download(), ref) <= TOL, f"t={t}"
