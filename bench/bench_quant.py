@@ -11,6 +11,12 @@ cache cannot serve them; each figure is the median over repeats, after one warm-
 
 1 thread: matvec_prepared on the calling thread. N threads: expert shapes are split over experts (each
 thread streams its share of the set, the MoE layout); dense shapes are split over rows of each matrix.
+
+Expert batch: whole SwiGLU experts (gate and up F x E, down E x F; F = 640, or 512 where 640 rows do not hold
+whole 256-blocks), GB/s of their weight bytes, in calls of 10 experts (one layer's misses) and of 180 (a
+token's worth), each pass over >= 4x L3 of distinct experts. "per-matvec": the CPU pool before
+strata.quant.experts, a Python task per expert on a thread pool (matvec_prepared for gate and up, silu,
+the down activation, down); "batch": strata.quant.experts.expert_batch, one compiled call per batch.
 """
 
 from __future__ import annotations
@@ -24,15 +30,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.quant import (QType, block_size, matvec_prepared, prepare_activation, random_blocks,  # noqa: E402
                           row_bytes, split_rows)
+from strata.quant.experts import expert_batch  # noqa: E402
+from strata.reference.common import silu  # noqa: E402
 
 EXPERT_SHAPES = [(640, 2560), (2560, 640)]                      # (rows, K): gate/up, down of one expert
 DENSE_SHAPES = [(10240, 2560), (2560, 6144), (248320, 2560)]    # dense projections, the output head
+EXPERT_E = 2560                                                 # hidden size of the experts' input and output
+EXPERT_BATCHES = (10, 180)                                      # one layer's routed misses; a token's (48 layers)
 
 
 def cpu_model() -> str:
@@ -103,6 +114,48 @@ def bench_case(qt, rows, k, pool, threads, target_bytes, repeats, rng, expert):
     return wbytes, n_w, total / t1 / 1e9, total / tn / 1e9, t1 / n_w * 1e6
 
 
+def expert_width(qt: QType) -> int:
+    return 640 if 640 % block_size(qt) == 0 else 512
+
+
+def bench_experts(qt, pool, threads, target_bytes, repeats, rng):
+    """GB/s per batch size: (per-matvec 1 thread, per-matvec N threads, batch 1 thread, batch N threads)."""
+    E, F = EXPERT_E, expert_width(qt)
+    per = 2 * F * row_bytes(qt, E) + E * row_bytes(qt, F)
+    n = max(max(EXPERT_BATCHES), -(-target_bytes // per))
+    # distinct memory for every expert; the values need not differ (the kernels' work does not depend on them)
+    seed = 8
+    gate, up = (np.tile(random_blocks(qt, (seed * F, E), rng, E ** -0.5), (-(-n // seed), 1))[:n * F]
+                for _ in range(2))                                            # (n * F, row_bytes)
+    down = np.tile(random_blocks(qt, (seed * E, F), rng, F ** -0.5), (-(-n // seed), 1))[:n * E]
+    x = rng.standard_normal(E).astype(np.float32)
+    order = rng.permutation(n)
+    one_pool = ThreadPoolExecutor(1)
+
+    def per_matvec(ids, ex):
+        act = prepare_activation(x, qt)
+
+        def expert(e):
+            g = matvec_prepared(gate[e * F:(e + 1) * F], qt, act)
+            u = matvec_prepared(up[e * F:(e + 1) * F], qt, act)
+            h = (silu(g) * u).astype(np.float32)
+            return matvec_prepared(down[e * E:(e + 1) * E], qt, prepare_activation(h, qt))
+        return list(ex.map(expert, ids))
+
+    res = {}
+    for k in EXPERT_BATCHES:
+        calls = [order[i:i + k] for i in range(0, n - k + 1, k)]             # each expert at most once a pass
+        nbytes = per * k * len(calls)
+        runs = [lambda calls=calls: [per_matvec(c, one_pool) for c in calls],
+                lambda calls=calls: [per_matvec(c, pool) for c in calls],
+                lambda calls=calls: [expert_batch(gate, up, down, c, x, wt_gu=qt, wt_d=qt, n_threads=1) for c in calls],
+                lambda calls=calls: [expert_batch(gate, up, down, c, x, wt_gu=qt, wt_d=qt, n_threads=threads)
+                                     for c in calls]]
+        res[k] = [nbytes / median_time(fn, repeats) / 1e9 for fn in runs]
+    one_pool.shutdown()
+    return E, F, per, res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -131,6 +184,10 @@ def main() -> None:
                 continue
             rows_out.append((qt, rows, k, bench_case(qt, rows, k, pool, args.threads, target, repeats, rng, expert)))
             print(f"# {qt.name} {rows}x{k} done", file=sys.stderr, flush=True)
+    experts_out = []
+    for qt in types:
+        experts_out.append((qt, bench_experts(qt, pool, args.threads, target, repeats, rng)))
+        print(f"# {qt.name} expert batch done", file=sys.stderr, flush=True)
     end1, endn = memory_bandwidth(pool, args.threads, repeats)
     print(f"# memory read bandwidth after: 1 thread {end1:.1f} GB/s, {args.threads} threads {endn:.1f} GB/s; "
           f"load average at end {os.getloadavg()[0]:.2f}")
@@ -146,6 +203,19 @@ def main() -> None:
         wb, _, g1, gn, us = res
         print(f"| {qt.name} | {rows}x{k} | {wb / 1e6:.2f} | {g1:.1f} | {100 * g1 / bw1:.0f}% | {us:.0f} | "
               f"{gn:.1f} | {100 * gn / bwn:.0f}% | {'experts' if (rows, k) in EXPERT_SHAPES else 'rows'} |")
+
+    print()
+    print(f"Expert batch (numba threading layer {numba.threading_layer()}, OMP_WAIT_POLICY "
+          f"{os.environ.get('OMP_WAIT_POLICY', '-')}, GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', '-')}): "
+          f"GB/s of expert weight bytes")
+    print()
+    print(f"| type | E x F | MB/expert | experts/call | per-matvec 1 thr | per-matvec {args.threads} thr "
+          f"| batch 1 thr | % of {bw1:.1f} | batch {args.threads} thr | % of {bwn:.1f} |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for qt, (E, F, per, res) in experts_out:
+        for k, (o1, on, b1, bn) in res.items():
+            print(f"| {qt.name} | {E}x{F} | {per / 1e6:.2f} | {k} | {o1:.1f} | {on:.1f} | {b1:.1f} | "
+                  f"{100 * b1 / bw1:.0f}% | {bn:.1f} | {100 * bn / bwn:.0f}% |")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ import numpy as np
 from strata.host.ple_io import pread_into
 from strata.host.trace import clock
 from strata.model.loader import Model
-from strata.quant import QType, matvec_prepared, prepare_activation
-from strata.reference.common import F32, silu
-
-# a CPU task smaller than this costs more to dispatch from Python (~10 us) than the rows it splits off
-MIN_TASK_BYTES = 128 << 10
+from strata.quant import QType
+from strata.quant.experts import batched, expert_batch_at, expert_one, max_threads
+from strata.reference.common import F32
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,8 @@ class ExpertLayout:
 
 
 class ExpertBlob:
-    """Expert `expert` of layer `layer` in host memory: one buffer, three uint8 (rows, row_bytes) views."""
+    """Expert `expert` of layer `layer` in host memory: one buffer, three uint8 (rows, row_bytes) views, and their
+    addresses for the compiled expert batch (taken once here, on the I/O thread)."""
 
     def __init__(self, layer: int, expert: int, slices: tuple[ExpertSlice, ...]):
         self.layer, self.expert = layer, expert
@@ -85,6 +84,7 @@ class ExpertBlob:
             views.append(self.buf[at:at + s.nbytes].reshape(s.rows, s.row_bytes))
             at += s.nbytes
         self.gate, self.up, self.down = views
+        self.addr = tuple(v.__array_interface__["data"][0] for v in views)     # gate, up, down
         self.read: tuple[float, float] | None = None    # the read's interval until the trace takes it
 
     @property
@@ -163,67 +163,44 @@ class ExpertStore:
 class CpuResult:
     parts: np.ndarray              # (m, E) float32: the experts' outputs, in the order they were given
     blobs: list[ExpertBlob]
-    t0: float                      # first task started (trace clock)
-    t1: float                      # last task ended
-
-
-def _mv(w: np.ndarray, s: ExpertSlice, act, x: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
-    """out[r0:r1] = W[r0:r1] @ x exactly as strata.model.weights.Mat computes it, so parts match the reference."""
-    if s.qtype == QType.F32:
-        out[r0:r1] = w[r0:r1].view(np.float32) @ x        # Mat multiplies F32 with BLAS, straight from the rows
-    else:
-        matvec_prepared(w, s.qtype, act, out, r0, r1)
-
-
-def _cuts(rows: int, parts: int) -> list[tuple[int, int]]:
-    edges = [rows * i // parts for i in range(parts + 1)]
-    return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+    t0: float                      # first batch started (trace clock)
+    t1: float                      # last batch ended
 
 
 class _Batch:
-    """One layer's CPU experts in flight: per expert, gate|up row chunks, then down row chunks, then done."""
+    """One layer's CPU experts in flight. Experts whose blobs are in host memory wait in `ready`; each wave on the
+    pool's thread computes all of them in one expert_batch call, until all m are done."""
 
     def __init__(self, pool: "CpuExpertPool", slices, x: np.ndarray, blob_futs: list[Future]):
-        self.pool, self.slices = pool, slices
+        self.pool, self.slices, self.x = pool, slices, x
         gate, up, down = slices
         m = len(blob_futs)
-        self.x = x
-        self.act = {qt: prepare_activation(x, qt, pool.exact) for qt in {gate.qtype, up.qtype} if qt != QType.F32}
-        self.g = np.empty((m, gate.rows), F32)            # (m, F)
-        self.u = np.empty((m, up.rows), F32)              # (m, F)
+        self.compiled = batched(gate.qtype, down.qtype) and gate.qtype == up.qtype
         self.out = np.empty((m, down.rows), F32)          # (m, E)
         self.blobs: list[ExpertBlob | None] = [None] * m
-        # parts per matrix: enough chunks to give every thread work, none smaller than MIN_TASK_BYTES
-        per = max(1, pool.n_threads // m)
-        self.gu_cuts = _cuts(gate.rows, max(1, min(per, (gate.nbytes + up.nbytes) // MIN_TASK_BYTES)))
-        self.dn_cuts = _cuts(down.rows, max(1, min(per, down.nbytes // MIN_TASK_BYTES)))
-        self.left_gu = [len(self.gu_cuts)] * m
-        self.left_dn = [len(self.dn_cuts)] * m
+        self.ready: list[int] = []
         self.left = m
         self.lock = threading.Lock()
         self.t0: float | None = None
         self.result: Future = Future()
+        self.queued = True                 # no wave before every callback is attached: blobs already here go in one
+        if m == 0:
+            self.result.set_result(CpuResult(self.out, [], clock(), clock()))
         for j, f in enumerate(blob_futs):
             f.add_done_callback(lambda f, j=j: self._blob_ready(j, f))
+        with self.lock:
+            self.queued = bool(self.ready)
+        if self.queued:
+            self._submit()
 
     def _fail(self, e: BaseException) -> None:
         with self.lock:
             if not self.result.done():
                 self.result.set_exception(e)
 
-    def _submit(self, fn, *args) -> None:
-        def run():
-            if self.result.done():        # failed already: drop the rest
-                return
-            with self.lock:
-                if self.t0 is None:
-                    self.t0 = clock()
-            try:
-                fn(*args)
-            except BaseException as e:      # any failure ends the batch with it
-                self._fail(e)
+    def _submit(self) -> None:
         try:
-            self.pool.threads.submit(run)
+            self.pool.threads.submit(self._wave)
         except RuntimeError as e:          # the pool was shut down (engine closing)
             self._fail(e)
 
@@ -231,47 +208,56 @@ class _Batch:
         if f.exception() is not None:
             self._fail(f.exception())
             return
-        self.blobs[j] = f.result()
-        for r0, r1 in self.gu_cuts:
-            self._submit(self._gate_up, j, r0, r1)
-
-    def _gate_up(self, j: int, r0: int, r1: int) -> None:
-        gate, up, down = self.slices
-        b = self.blobs[j]
-        _mv(b.gate, gate, self.act.get(gate.qtype), self.x, self.g[j], r0, r1)
-        _mv(b.up, up, self.act.get(up.qtype), self.x, self.u[j], r0, r1)
         with self.lock:
-            self.left_gu[j] -= 1
-            last = self.left_gu[j] == 0
-        if last:
-            h = (silu(self.g[j]) * self.u[j]).astype(F32)   # (F,) as reference.moe.expert_ffn forms it
-            act = prepare_activation(h, down.qtype, self.pool.exact) if down.qtype != QType.F32 else None
-            if len(self.dn_cuts) == 1:                       # one chunk: go on in this thread, no handoff
-                self._down(j, h, act, *self.dn_cuts[0])
-                return
-            for r0d, r1d in self.dn_cuts:
-                self._submit(self._down, j, h, act, r0d, r1d)
+            self.blobs[j] = f.result()
+            self.ready.append(j)
+            go = not self.queued
+            self.queued = True
+        if go:
+            self._submit()
 
-    def _down(self, j: int, h: np.ndarray, act, r0: int, r1: int) -> None:
-        down = self.slices[2]
-        _mv(self.blobs[j].down, down, act, h, self.out[j], r0, r1)
+    def _wave(self) -> None:
         with self.lock:
-            self.left_dn[j] -= 1
-            if self.left_dn[j] == 0:
-                self.left -= 1
-            finished = self.left == 0 and not self.result.done()
-            if finished:
+            js, self.ready, self.queued = sorted(self.ready), [], False
+            if self.t0 is None:
+                self.t0 = clock()
+        if not js or self.result.done():  # nothing new, or failed already
+            return
+        try:
+            self._compute(js)
+        except BaseException as e:          # any failure ends the batch with it
+            self._fail(e)
+            return
+        with self.lock:
+            self.left -= len(js)
+            if self.left == 0 and not self.result.done():
                 self.result.set_result(CpuResult(self.out, list(self.blobs), self.t0, clock()))
+
+    def _compute(self, js: list[int]) -> None:
+        gate, up, down = self.slices
+        blobs = [self.blobs[j] for j in js]
+        if not self.compiled:              # float types, or gate's type unlike up's: matvec by matvec, as Mat does
+            for j, b in zip(js, blobs):
+                self.out[j] = expert_one(b.gate, b.up, b.down, self.x, wt_gu=gate.qtype, wt_up=up.qtype,
+                                         wt_d=down.qtype, exact=self.pool.exact)
+            return
+        whole = len(js) == len(self.out)                  # js is sorted: all of them, in order
+        out = self.out if whole else np.empty((len(js), down.rows), F32)
+        addr = np.array([b.addr for b in blobs], np.uint64)          # (len(js), 3)
+        expert_batch_at(addr, self.x, out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype, exact=self.pool.exact,
+                        n_threads=self.pool.n_threads)
+        if not whole:
+            self.out[js] = out
 
 
 class CpuExpertPool:
-    """Routed experts on the CPU: strata.quant's kernels (they release the GIL) on a thread pool, parallel over
-    experts and, when there are fewer experts than threads, over rows. Each expert starts as soon as its blob
-    is in host memory, so its read and its neighbours' compute overlap."""
+    """Routed experts on the CPU: strata.quant.experts' compiled batch (numba threads over every expert's rows,
+    the GIL released), launched from one pool thread. A layer's experts whose blobs are in host memory go in one
+    batch; blobs that arrive while it runs go in the next, so reads and compute overlap."""
 
     def __init__(self, n_threads: int, exact: bool):
-        self.n_threads, self.exact = n_threads, exact
-        self.threads = ThreadPoolExecutor(n_threads, thread_name_prefix="strata-experts")
+        self.n_threads, self.exact = max(1, min(n_threads, max_threads())), exact
+        self.threads = ThreadPoolExecutor(1, thread_name_prefix="strata-experts")
 
     def run(self, slices: tuple[ExpertSlice, ...], x: np.ndarray, blob_futs: list[Future]) -> Future:
         """Outputs of the experts whose blobs `blob_futs` will give, for input x (E,): a future of CpuResult."""

@@ -1,0 +1,468 @@
+"""A batch of routed SwiGLU experts on the CPU in two compiled parallel calls: no Python per expert or per row.
+
+    expert_batch(gate_w, up_w, down_w, ids, x, out, wt_gu=..., wt_d=...)   # stacked weights, e.g. GGUF views
+    expert_batch_at(addr, x, out, F, wt_gu=..., wt_d=...)                   # experts anywhere (host blobs)
+
+k = experts in the batch, E = hidden size (x, out), F = expert width (gate/up rows, down's K).
+
+    1. gate_up (one parallel loop): x's activation once (gate and up share it), then the gate and up rows of
+       all k experts in work items of (expert, row block) that the nt threads claim in order.
+    2. h = silu(g) * u for all k in numpy: numpy's float32 exp is not libm's (numba's differs on ~40% of
+       inputs) and the result must equal reference.moe.expert_ffn bit for bit.
+    3. down (two parallel loops): each h's activation for the down type, an expert an item; then the down
+       rows of all k experts as in 1.
+
+Every row is the kernel call matvec_prepared makes, on the activation prepare_activation makes (contract
+mode), or the same dequantize + float64 dot as its exact mode: out equals the per-matvec path bit for bit
+at any thread count. The float weight types (F32 goes through BLAS in Mat) take that per-matvec path
+expert by expert (expert_one), as does a caller whose gate type differs from up's.
+
+Threads: numba's threading layer as numba picks it (NUMBA_THREADING_LAYER, else tbb when the `tbb` package
+is installed, else omp when the OS has libgomp.so.1, else workqueue; a plain `pip install numba` on Linux
+gives omp wherever the OS ships libgomp, workqueue elsewhere). workqueue aborts the process on concurrent
+launches, so every launch here holds one process-wide lock: safe from any thread under all three. The thread
+count (numba.set_num_threads, a per-thread setting) is set under that lock on every call. Work is handed out
+in small items that each thread claims in turn, so a thread that starts late does not hold up the call.
+
+omp is GNU OpenMP, whose idle workers by default spin ~300,000 pauses (~10 ms) after every parallel region,
+burning the cores the event loop and the I/O threads need between batches (on the 2-vCPU dev VM, whose CPU
+quota the spinning uses up, a 10-expert call then took 32-40 ms instead of 2.5). Unless OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is set, this module sets OMP_WAIT_POLICY=passive (idle workers sleep at once) before numba loads
+libgomp at its first parallel call; OMP_WAIT_POLICY=active trades that CPU for a faster wake-up per region.
+
+numba's on-disk cache is keyed on this file only: the kernels compiled into these functions come from
+kernels.py, dequant.py and activation.py, so after editing those, delete strata/quant/__pycache__.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import cgutils, types
+from numba.core.cpu_options import ParallelOptions
+from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_array, populate_array
+
+from strata.quant import kernels as K
+from strata.quant.activation import _iq4_xs_act, _q2_0_act, _q8_0, _q8_k
+from strata.quant.dequant import _KERNELS as _DEQUANT
+from strata.quant.formats import ACT_TYPE, F16_TO_F32, QK_K, QType, block_size, qtype, row_bytes
+from strata.quant.matvec import _EXACT_CHUNK_BYTES, matvec
+from strata.quant.matvec import _KERNELS as _MATVEC
+from strata.quant.simd import HAS_AVX2
+from strata.reference.common import F32, silu
+
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "passive"            # read by libgomp when numba loads it (see above)
+
+_JIT = dict(nogil=True, cache=True, fastmath=False)
+# prange only: no implicit parallel loops (np.zeros would be one more launch) and no fusion (down's two loops must
+# stay two: the second reads what the first writes)
+_PARALLEL = ParallelOptions({"comprehension": False, "reduction": False, "inplace_binop": False, "setitem": False,
+                             "numpy": False, "stencil": False, "fusion": False, "prange": True})
+ITEM_BYTES = 32 << 10               # weight bytes of one work item (per matrix): ~4 us of kernel on one core
+_LAUNCH = threading.Lock()          # one parallel launch at a time (workqueue is not thread-safe)
+f32 = np.float32
+
+
+# ---- memory by address ----------------------------------------------------------------------------------------
+
+_RO_ROWS = types.Array(types.uint8, 2, "C", readonly=True)
+
+
+@intrinsic
+def _mat(typingctx, addr, rows, rb):
+    """The uint8 (rows, rb) C-contiguous matrix at address addr, read-only: the array type the matvec kernels
+    are already compiled for (GGUF mappings are read-only), so they are not compiled a second time."""
+    def codegen(context, builder, sig, args):
+        shape = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+        ary = make_array(_RO_ROWS)(context, builder)
+        populate_array(ary, data=builder.inttoptr(args[0], cgutils.int8_t.as_pointer()), shape=shape,
+                       strides=[shape[1], cgutils.intp_t(1)], itemsize=cgutils.intp_t(1), meminfo=None)
+        return ary._getvalue()
+    return _RO_ROWS(addr, rows, rb), codegen
+
+
+def _rows(aux, j):
+    """(a[j] for a in aux): row j of an activation's per-type extras."""
+
+
+@overload(_rows)
+def _rows_impl(aux, j):
+    if len(aux) == 0:
+        return lambda aux, j: ()
+    if len(aux) == 1:
+        return lambda aux, j: (aux[0][j],)
+    return lambda aux, j: (aux[0][j], aux[1][j])
+
+
+# ---- activations, one row per expert: alloc(k, n) -> (q (k, ·), d (k, ·), aux, v (k, ·)), prep(x, row j) ------
+# Row j holds what prepare_activation(x_j, wt) holds (activation.py), in the same layout.
+
+@njit(**_JIT)
+def _alloc_q8_0(k, n):
+    return np.empty((k, n), np.int8), np.empty((k, n // 32), f32), (), np.empty((k, 0), f32)
+
+
+@njit(**_JIT)
+def _prep_q8_0(x, q, d, aux, v):
+    _q8_0(x, q, d, np.empty(d.shape[0], f32), np.empty(d.shape[0], np.int32))
+
+
+@njit(**_JIT)
+def _alloc_q8_1(k, n):
+    return np.empty((k, n), np.int8), np.empty((k, n // 32), f32), (np.empty((k, n // 32), f32),), np.empty((k, 0), f32)
+
+
+@njit(**_JIT)
+def _prep_q8_1(x, q, d, aux, v):
+    _q8_0(x, q, d, aux[0], np.empty(d.shape[0], np.int32))
+
+
+@njit(**_JIT)
+def _alloc_q2_0(k, n):
+    nb = n // 64
+    groups = nb // 4 + (nb % 4) // 2 + nb % 2
+    return (np.empty((k, n), np.int8), np.empty((k, n // 32), f32),
+            (np.empty((k, 8 * groups), f32), np.empty((k, 8 * groups), np.int32)), np.empty((k, 0), f32))
+
+
+@njit(**_JIT)
+def _prep_q2_0(x, q, d, aux, v):
+    nd = d.shape[0]
+    _q2_0_act(x, np.empty(x.shape[0], np.int8), d, np.empty(nd, f32), np.empty(nd, np.int32), q, aux[0], aux[1])
+
+
+@njit(**_JIT)
+def _alloc_q8_k(k, n):
+    return (np.empty((k, n), np.int8), np.empty((k, n // QK_K), f32), (np.empty((k, n // 16), np.int16),),
+            np.empty((k, 0), f32))
+
+
+@njit(**_JIT)
+def _prep_q8_k(x, q, d, aux, v):
+    _q8_k(x, q, d, aux[0])
+
+
+@njit(**_JIT)
+def _prep_iq4_xs(x, q, d, aux, v):
+    _iq4_xs_act(x, np.empty(x.shape[0], np.int8), d, aux[0], q)
+
+
+@njit(**_JIT)
+def _alloc_exact(k, n):
+    return np.empty((k, 0), np.int8), np.empty((k, 0), f32), (), np.empty((k, n), f32)
+
+
+@njit(**_JIT)
+def _prep_exact(x, q, d, aux, v):
+    for i in range(x.shape[0]):                # a loop: `v[:] = x` costs ~5 s of compilation
+        v[i] = x[i]
+
+
+# ---- per weight type and mode, chosen at compile time by a literal code = 2 * ggml type id + exact -------------
+# (Passing the kernels as arguments would do the same, but a signature holding a dispatcher never hits numba's
+# on-disk cache: dispatchers pickle with a per-process uuid, so every process would recompile, ~10 s a type.)
+
+class _Ops(NamedTuple):
+    alloc: object          # (k, n) -> (q, d, aux, v)
+    prep: object           # (x, q[j], d[j], aux rows j, v[j])
+    kern: object           # the matvec kernel; in exact mode the dequantizer
+    tables: tuple          # its extra tables (grids, signs)
+    bs: int                # block size
+
+
+def _ops(wt: QType, exact: bool) -> _Ops:
+    if exact:
+        return _Ops(_alloc_exact, _prep_exact, *_DEQUANT[wt], block_size(wt))
+    if wt == QType.Q2_0:
+        alloc, prep = _alloc_q2_0, _prep_q2_0
+    elif wt == QType.IQ4_XS:
+        alloc, prep = _alloc_q8_k, _prep_iq4_xs
+    else:
+        alloc, prep = {QType.Q8_0: (_alloc_q8_0, _prep_q8_0), QType.Q8_1: (_alloc_q8_1, _prep_q8_1),
+                       QType.Q8_K: (_alloc_q8_k, _prep_q8_k)}[ACT_TYPE[wt]]
+    return _Ops(alloc, prep, *_MATVEC[wt], block_size(wt))
+
+
+def _code_ops(code) -> _Ops | None:
+    """The ops of a literal code; None (no match, numba tries the literal next) for a plain integer type."""
+    if not isinstance(code, types.IntegerLiteral):
+        return None
+    return _ops(QType(code.literal_value // 2), bool(code.literal_value % 2))
+
+
+def _alloc(code, k, n):
+    """Activation arrays for k vectors of n."""
+
+
+@overload(_alloc, prefer_literal=True)
+def _alloc_impl(code, k, n):
+    if (ops := _code_ops(code)) is not None:
+        fn = ops.alloc
+        return lambda code, k, n: fn(k, n)
+
+
+def _prep(code, x, q, d, aux, v):
+    """One row of _alloc's arrays from x."""
+
+
+@overload(_prep, prefer_literal=True)
+def _prep_impl(code, x, q, d, aux, v):
+    if (ops := _code_ops(code)) is not None:
+        fn = ops.prep
+        return lambda code, x, q, d, aux, v: fn(x, q, d, aux, v)
+
+
+def _call(code, w, q, d, aux, v, out, r0, r1, t, tables):
+    """out[r] = w[r] . the activation for r0 <= r < r1 (t: F16_TO_F32; tables: the kernel's)."""
+
+
+@overload(_call, prefer_literal=True)
+def _call_impl(code, w, q, d, aux, v, out, r0, r1, t, tables):
+    if (ops := _code_ops(code)) is None:
+        return None
+    if code.literal_value % 2:
+        return lambda code, w, q, d, aux, v, out, r0, r1, t, tables: _exact_rows(code, w, v, out, r0, r1, t, tables)
+    fn = ops.kern
+    return lambda code, w, q, d, aux, v, out, r0, r1, t, tables: fn(w, q, d, aux, out, r0, r1, t, *tables)
+
+
+def _dequant(code, blocks, y, t, tables):
+    """Exact mode: blocks uint8 (nb, type_size) -> y float32 (nb, block_size)."""
+
+
+@overload(_dequant, prefer_literal=True)
+def _dequant_impl(code, blocks, y, t, tables):
+    if (ops := _code_ops(code)) is not None:
+        fn = ops.kern
+        return lambda code, blocks, y, t, tables: fn(blocks, y, t, *tables)
+
+
+def _block(code):
+    """The weight type's block size (a constant)."""
+
+
+@overload(_block, prefer_literal=True)
+def _block_impl(code):
+    if (ops := _code_ops(code)) is not None:
+        bs = ops.bs
+        return lambda code: bs
+
+
+@njit(**_JIT)
+def _exact_rows(code, w, v, out, r0, r1, t, tables):
+    """matvec_prepared's exact mode: a few rows at a time dequantized into scratch, dotted with v in float64."""
+    bs = _block(code)
+    n, rb = v.shape[0], w.shape[1]
+    nb = n // bs                                   # blocks per row
+    step = max(1, _EXACT_CHUNK_BYTES // (4 * n))
+    scratch = np.empty(min(step, r1 - r0) * n, f32)
+    for a in range(r0, r1, step):
+        m = min(r1, a + step) - a
+        y = scratch[:m * n]
+        _dequant(code, w[a:a + m].reshape(m * nb, rb // nb), y.reshape(m * nb, bs), t, tables)
+        K.dot_rows_f64(y.reshape(m, n), v, out, a)
+
+
+# ---- the two parallel phases ----------------------------------------------------------------------------------
+
+@intrinsic
+def _claim(typingctx, counters, i):
+    """counters[i] += 1 atomically, returning the old value: the next work item for the calling thread."""
+    def codegen(context, builder, sig, args):
+        ary = make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(counters, i), codegen
+
+
+def _make_phases(code: int):
+    """(gate_up, down) for one weight type and mode. code is a closure constant, so numba types it as a literal
+    (the overloads above pick their kernels by it) and caches each code's functions on disk.
+
+    Work items are (expert, block of `per` rows), in order; each of the nt threads claims the next one until none
+    is left, so a thread that starts late (woken late, preempted) leaves its share to the others."""
+
+    @njit(parallel=_PARALLEL, **_JIT)
+    def gate_up(rb, addr, x, gu, per, t, tables, nt):
+        # addr: uint64 (k, 3), columns 0, 1: expert j's gate and up rows, uint8 (F, rb); x: (E,); gu: (2, k, F)
+        _, k, f = gu.shape
+        q, d, aux, v = _alloc(code, 1, x.shape[0])
+        _prep(code, x, q[0], d[0], _rows(aux, 0), v[0])
+        nblk = -(-f // per)
+        items = np.zeros(1, np.int64)
+        for _ in prange(nt):
+            i = _claim(items, 0)
+            while i < k * nblk:
+                j = i // nblk
+                r0 = (i - j * nblk) * per
+                r1 = min(f, r0 + per)
+                for m in range(2):                 # one call site: each inlined kernel costs compile time
+                    _call(code, _mat(addr[j, m], f, rb), q[0], d[0], _rows(aux, 0), v[0], gu[m, j], r0, r1, t,
+                          tables)
+                i = _claim(items, 0)
+
+    @njit(parallel=_PARALLEL, **_JIT)
+    def down(rb, addr, h, out, per, t, tables, nt):
+        # addr column 2: expert j's down rows, uint8 (E, rb); h: (k, F); out: (k, E)
+        k, e = out.shape
+        q, d, aux, v = _alloc(code, k, h.shape[1])
+        items = np.zeros(2, np.int64)
+        for _ in prange(nt):                       # h's activations: one expert an item
+            j = _claim(items, 0)
+            while j < k:
+                _prep(code, h[j], q[j], d[j], _rows(aux, j), v[j])
+                j = _claim(items, 0)
+        nblk = -(-e // per)
+        for _ in prange(nt):
+            i = _claim(items, 1)
+            while i < k * nblk:
+                j = i // nblk
+                r0 = (i - j * nblk) * per
+                r1 = min(e, r0 + per)
+                _call(code, _mat(addr[j, 2], e, rb), q[j], d[j], _rows(aux, j), v[j], out[j], r0, r1, t, tables)
+                i = _claim(items, 1)
+
+    return gate_up, down
+
+
+def _rows_per_item(rows: int, rb: int, k: int, nt: int) -> int:
+    """Rows per work item: ~ITEM_BYTES of weights (per matrix), but at least 4 items a thread, multiples of 8."""
+    per = min(max(8, ITEM_BYTES // rb), max(8, -(-k * rows // (4 * nt))))
+    return -(-per // 8) * 8
+
+
+_PHASES: dict[int, tuple] = {}
+
+
+def _phases(wt: QType, exact: bool) -> tuple:
+    code = 2 * int(wt) + int(exact)
+    if code not in _PHASES:
+        _PHASES[code] = _make_phases(code)
+    return _PHASES[code]
+
+
+def _swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u into g: reference.common.silu's float32 operations in the same order, without temporaries."""
+    s = np.negative(g)
+    np.exp(s, out=s)
+    np.add(F32(1.0), s, out=s)
+    np.divide(F32(1.0), s, out=s)              # sigmoid(g)
+    np.multiply(g, s, out=g)                   # silu(g)
+    np.multiply(g, u, out=g)
+    return g
+
+
+# ---- entry points ---------------------------------------------------------------------------------------------
+
+def batched(wt_gu: int, wt_d: int) -> bool:
+    """Whether these weight types run in the compiled phases (the quantized ones), not expert by expert."""
+    return qtype(wt_gu) in _MATVEC and qtype(wt_d) in _MATVEC
+
+
+def max_threads() -> int:
+    """The most threads a call can use: numba's pool (NUMBA_NUM_THREADS, default one per CPU)."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def expert_batch_at(addr: np.ndarray, x: np.ndarray, out: np.ndarray, f: int, *, wt_gu: int, wt_d: int,
+                    exact: bool = False, n_threads: int | None = None) -> np.ndarray:
+    """out[j] = down_j @ (silu(gate_j @ x) * (up_j @ x)) for the k experts whose rows lie at addr[j].
+
+    addr: uint64 (k, 3), the addresses of expert j's gate rows and up rows (each uint8 (F, row_bytes(wt_gu, E)),
+    C-contiguous) and down rows (uint8 (E, row_bytes(wt_d, F))): the caller keeps that memory alive and
+    unchanged until this returns. x: float32 (E,); out: float32 (k, E) C-contiguous; quantized types only
+    (batched()). n_threads: default max_threads(). The GIL is released while the phases run.
+    """
+    wt_gu, wt_d = qtype(wt_gu), qtype(wt_d)
+    if not batched(wt_gu, wt_d):
+        raise ValueError(f"no batched kernels for {wt_gu.name}/{wt_d.name} experts: use expert_one")
+    if not HAS_AVX2:
+        raise RuntimeError("strata's quantized matvec kernels need an x86-64 CPU with AVX2 and F16C")
+    x = np.ascontiguousarray(x, F32).reshape(-1)
+    k, e = addr.shape[0], x.shape[0]
+    if addr.dtype != np.uint64 or addr.shape != (k, 3) or not addr.flags.c_contiguous:
+        raise ValueError(f"addr must be uint64 (k, 3) C-contiguous, got {addr.dtype} {addr.shape}")
+    if out.dtype != F32 or out.shape != (k, e) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be float32 ({k}, {e}) C-contiguous, got {out.dtype} {out.shape}")
+    rb_gu, rb_d = row_bytes(wt_gu, e), row_bytes(wt_d, f)      # ValueError unless whole blocks
+    if k == 0:
+        return out
+    gu = np.empty((2, k, f), F32)                              # (2, k, F): gate, up outputs; h into gu[0]
+    nt = max(1, min(n_threads or max_threads(), max_threads()))
+    gate_up, down = _phases(wt_gu, exact)[0], _phases(wt_d, exact)[1]
+    with _LAUNCH:
+        numba.set_num_threads(nt)
+        gate_up(rb_gu, addr, x, gu, _rows_per_item(f, rb_gu, k, nt), F16_TO_F32, _ops(wt_gu, exact).tables, nt)
+        h = _swiglu(gu[0], gu[1])
+        down(rb_d, addr, h, out, _rows_per_item(e, rb_d, k, nt), F16_TO_F32, _ops(wt_d, exact).tables, nt)
+    return out
+
+
+def _mv(w: np.ndarray, wt: QType, x: np.ndarray, exact: bool) -> np.ndarray:
+    """W x exactly as strata.model.weights.Mat computes it (F32 through BLAS)."""
+    if wt == QType.F32:
+        return (w.view(np.float32) if w.dtype == np.uint8 else w) @ x
+    return matvec(w, wt, x, exact)
+
+
+def expert_one(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray, *, wt_gu: int, wt_d: int,
+               exact: bool = False, wt_up: int | None = None) -> np.ndarray:
+    """One expert matvec by matvec on the calling thread, as reference.moe.expert_ffn over Mats: the float types'
+    path, and a gate type unlike up's (wt_up, default wt_gu)."""
+    wt_gu, wt_d = qtype(wt_gu), qtype(wt_d)
+    wt_up = wt_gu if wt_up is None else qtype(wt_up)
+    h = (silu(_mv(gate, wt_gu, x, exact)) * _mv(up, wt_up, x, exact)).astype(F32)
+    return _mv(down, wt_d, h, exact)
+
+
+def _per_expert(w: np.ndarray, n_expert: int, what: str) -> np.ndarray:
+    """Stacked (n_expert * rows, row) or (n_expert, rows, row) weights as the 3-D view."""
+    w = np.asarray(w)
+    if w.ndim == 2 and n_expert and w.shape[0] % n_expert == 0:
+        w = w.reshape(n_expert, w.shape[0] // n_expert, w.shape[1])
+    if w.ndim != 3 or w.shape[0] != n_expert:
+        raise ValueError(f"{what}: shape {w.shape} does not hold {n_expert} experts")
+    return w
+
+
+def expert_batch(gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, ids: np.ndarray, x: np.ndarray,
+                 out: np.ndarray | None = None, *, wt_gu: int, wt_d: int, exact: bool = False,
+                 n_threads: int | None = None) -> np.ndarray:
+    """out[j] = expert ids[j] of one layer on x: down @ (silu(gate @ x) * (up @ x)), all k in one batch.
+
+    gate_w, up_w: uint8 (n_expert * F, row_bytes) (a GGUF tensor's rows) or (n_expert, F, row_bytes) (e.g. the
+    halves of a fused gate|up tensor, each expert's rows C-contiguous); down_w: (n_expert * E, row_bytes) or
+    (n_expert, E, row_bytes); ids: (k,) experts; x: float32 (E,); out: float32 (k, E), allocated when None.
+    Float types (F32 also as the float32 arrays Mat holds) go expert by expert. Returns out.
+    """
+    wt_gu, wt_d = qtype(wt_gu), qtype(wt_d)
+    x = np.ascontiguousarray(x, F32).reshape(-1)
+    e = x.shape[0]
+    ids = np.asarray(ids).reshape(-1).astype(np.int64)
+    out = np.empty((ids.shape[0], e), F32) if out is None else out
+    n_expert = down_w.shape[0] if down_w.ndim == 3 else down_w.shape[0] // e
+    gate, up, down = (_per_expert(w, n_expert, n) for w, n in ((gate_w, "gate_w"), (up_w, "up_w"), (down_w, "down_w")))
+    if ids.size and not (ids.min() >= 0 and ids.max() < n_expert):
+        raise ValueError(f"expert ids must lie in [0, {n_expert}), got {ids.min()}..{ids.max()}")
+    if not batched(wt_gu, wt_d):
+        for j, i in enumerate(ids):
+            out[j] = expert_one(gate[i], up[i], down[i], x, wt_gu=wt_gu, wt_d=wt_d, exact=exact)
+        return out
+    f = gate.shape[1]
+    for w, rows, rb, what in ((gate, f, row_bytes(wt_gu, e), "gate_w"), (up, f, row_bytes(wt_gu, e), "up_w"),
+                              (down, e, row_bytes(wt_d, f), "down_w")):
+        if w.dtype != np.uint8 or w.shape[1:] != (rows, rb) or w.strides[1:] != (rb, 1):
+            raise ValueError(f"{what}: want uint8 experts of ({rows}, {rb}) C-contiguous rows, "
+                             f"got {w.dtype} {w.shape} strides {w.strides}")
+    base = np.array([w.__array_interface__["data"][0] for w in (gate, up, down)], np.int64)
+    step = np.array([w.strides[0] for w in (gate, up, down)], np.int64)
+    addr = (base + ids[:, None] * step).view(np.uint64)        # (k, 3)
+    return expert_batch_at(addr, x, out, f, wt_gu=wt_gu, wt_d=wt_d, exact=exact, n_threads=n_threads)
