@@ -5,7 +5,11 @@
     python bench/gpu_check.py --phases model,bench
 
 tests     pytest of tests/test_cuda_kernels.py and tests/test_cuda_backend.py
-model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists
+gemv      GB/s of the GEMV kernels at the flash shapes, per weight type: random valid blocks, enough copies of each
+          matrix to rotate through more than twice the L2 (120 MB), a captured graph of back-to-back launches
+          timed with events (median of 15 replays, per launch), next to 4.2 TB/s
+model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists (the
+          bench phase runs it first when the file is missing)
 bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
           at a short and at a long context (past the QSA budget, so block selection runs), the per-layer protocol
           (doorbell, host polling) ms/token, a per-stage breakdown from events recorded between stage graphs
@@ -126,12 +130,133 @@ def protocol_ms(be, seq, feed, n: int) -> np.ndarray:
     return np.array(out)
 
 
+GEMV_CASES = [   # (label, type, n_out, n_in, kind): kind gemv | glu | experts
+    ("attn_qkv", "IQ4_XS", 10240, 2560, "gemv"),
+    ("attn_gate", "IQ4_XS", 6144, 2560, "gemv"),
+    ("ssm_out", "Q4_K", 2560, 6144, "gemv"),
+    ("attn_q (QSA)", "Q4_K", 12288, 2560, "gemv"),
+    ("hc down", "Q8_0", 320, 10240, "gemv"),
+    ("router", "BF16", 512, 2560, "gemv"),
+    ("shexp gate+up", "Q5_K", 640, 2560, "glu"),
+    ("shexp down", "Q8_0", 2560, 640, "gemv"),
+    ("LM head", "Q6_K", 248320, 2560, "gemv"),
+    ("experts x10 (g+u, down)", "Q2_0", 640, 2560, "experts"),
+]
+
+
+def phase_gemv() -> None:
+    """Per-launch time and GB/s of the GEMV kernels at the flash shapes (see the module docstring)."""
+    from types import SimpleNamespace
+
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.graphs import Graph
+    from strata.cuda.launch import pdl_status
+    from strata.kernels import Kernels
+    from strata.kernels import gemv as kgemv
+    from strata.kernels import moe as kmoe
+    from strata.kernels.gemv import Job, device_row_bytes
+    from strata.quant import QType, random_blocks
+    dev = drv.Device.open()
+    K = Kernels(dev.arch)
+    stream = drv.Stream()
+    rng = np.random.default_rng(1)
+    rows_out = []
+    say(pdl_status())
+    for label, tname, n_out, n_in, kind in GEMV_CASES:
+        qt = QType[tname]
+        rb = device_row_bytes(qt, n_in)
+        A = Arena()
+        if kind == "experts":
+            n_exp, k = 64, 10                       # 64 experts x 3.5 MB: 221 MB, 6 rotating sets of 10
+            g = A.reserve("gate", (n_exp * n_out * rb,), np.uint8)
+            u = A.reserve("up", (n_exp * n_out * rb,), np.uint8)
+            rbd = device_row_bytes(qt, n_out)
+            d = A.reserve("down", (n_exp * n_in * rbd,), np.uint8)
+            sets = 6
+            slots = [A.reserve(f"slots{i}", (k,), np.int32) for i in range(sets)]
+            jobs = [A.reserve(f"job{i}", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8) for i in range(sets)]
+            x = A.reserve("x", (n_in,))
+            h = A.reserve("h", (k, (n_out + 7) // 8 * 8))
+            out = A.reserve("out", (k, n_in))
+            A.commit()
+            one = random_blocks(qt, (n_out, n_in), rng, 1 / np.sqrt(n_in)).reshape(-1)
+            oned = random_blocks(qt, (n_in, n_out), rng, 1 / np.sqrt(n_out)).reshape(-1)
+            for e in range(n_exp):
+                for buf, src in ((g, one), (u, one), (d, oned)):
+                    drv.memcpy_htod_async(buf.ptr + e * src.nbytes, src.ctypes.data, src.nbytes, stream, "w")
+                    stream.synchronize("upload")
+            x.upload(rng.standard_normal(n_in).astype(np.float32))
+            cfg = SimpleNamespace(n_embd=n_in, n_ff_exp=n_out, n_expert_used=k)
+            bank = kmoe.ExpertBank(DevMat(g, int(qt), n_out, n_in, rb, n_exp), 0, DevMat(u, int(qt), n_out, n_in, rb, n_exp),
+                                   0, DevMat(d, int(qt), n_in, n_out, rbd, n_exp), 0,
+                                   (n_out * rb, n_out * rb, n_in * rbd))
+            launches = []
+            for i in range(sets):
+                slots[i].upload(np.arange(i * k, (i + 1) * k, dtype=np.int32))
+                launches += list(kmoe.expert_launches(K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"), label, cfg,
+                                                      jobs[i], bank, slots[i], x, h, out))
+            per_launch_bytes = k * (2 * n_out * rb + n_in * rbd)
+            n_launch = sets                           # a launch = gate/up + down of 10 experts
+        else:
+            halves = 2 if kind == "glu" else 1
+            mat_bytes = n_out * rb
+            copies = max(1, -(-120_000_000 // (mat_bytes * halves)))
+            W = A.reserve("w", (copies * halves * mat_bytes,), np.uint8)
+            x = A.reserve("x", (n_in,))
+            y = A.reserve("y", (n_out,))
+            tables = [kgemv.job_table(f"t{i}", 1, A.reserve) for i in range(copies)]
+            A.commit()
+            chunk = min(n_out, 24832)
+            one = random_blocks(qt, (chunk, n_in), rng, 1 / np.sqrt(n_in)).reshape(-1)
+            for off in range(0, copies * halves * mat_bytes, one.nbytes):
+                nb = min(one.nbytes, copies * halves * mat_bytes - off)
+                drv.memcpy_htod_async(W.ptr + off, one.ctypes.data, nb, stream, "w")
+                stream.synchronize("upload")
+            x.upload(rng.standard_normal(n_in).astype(np.float32))
+            launches = []
+            m = DevMat(W, int(qt), n_out, n_in, rb, copies * halves)
+            # a GLU partner: the matrix after w in the same buffer (mat i * 2 + 1)
+            w2 = None if halves == 1 else DevMat(W.view("w2", mat_bytes, ((copies * 2 - 1) * mat_bytes,), np.uint8),
+                                                 int(qt), n_out, n_in, rb, copies * 2 - 1)
+            for i in range(copies):
+                launches.append(kgemv.gemv_launch(K.fn("gemv", "gemv_jobs"), label, tables[i],
+                                                  [Job(m, x, y, w2=w2, mat=i * halves)]))
+            per_launch_bytes = mat_bytes * halves
+            n_launch = copies
+        reps = max(1, 24 // len(launches))
+        graph = Graph(f"gemv bench {label}", stream, lambda: [l.enqueue(stream) for _ in range(reps) for l in launches])
+        e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
+        graph.launch(stream)
+        stream.synchronize("warm-up")
+        times = []
+        for _ in range(15):
+            e0.record(stream)
+            graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize("gemv bench")
+            times.append(e1.elapsed_ms(e0) / (reps * len(launches)))
+        t = float(np.median(times))
+        ctas = launches[0].grid[0] * launches[0].grid[1]
+        rows_out.append({"label": label, "type": tname, "shape": f"{n_out}x{n_in}" + (" x10" if kind == "experts" else ""),
+                         "mb": per_launch_bytes / 1e6, "us": t * 1e3, "gbps": per_launch_bytes / (t * 1e-3) / 1e9,
+                         "ctas": ctas, "smem": launches[0].smem})
+        say(f"gemv {label}: {rows_out[-1]['us']:.1f} us, {rows_out[-1]['gbps']:.0f} GB/s")
+        graph.destroy()
+        e0.destroy()
+        e1.destroy()
+        A.free()
+    stream.destroy()
+    RESULTS["gemv"] = {"rows": rows_out, "pdl": pdl_status()}
+
+
 def phase_bench(long_ctx: int) -> None:
     from strata.cuda.backend import CudaBackend
     from strata.inspect import per_token_bytes
     from strata.model.loader import load_model
     if not FLASH.exists():
-        raise SystemExit(f"{FLASH} is missing: run the model phase first")
+        say(f"{FLASH} is missing: the model phase first")
+        phase_model()
     t0 = time.time()
     model = load_model(FLASH)
     say(f"opened {FLASH.name} in {time.time() - t0:.1f}s; uploading every weight")
@@ -184,6 +309,13 @@ def table() -> str:
     b = RESULTS.get("bench")
     if "tests" in RESULTS:
         lines.append(f"tests              exit {RESULTS['tests']['rc']} ({RESULTS['tests']['seconds']}s)")
+    if "gemv" in RESULTS:
+        lines.append(f"GEMV per launch ({RESULTS['gemv']['pdl']}; HBM ceiling 4.2 TB/s):")
+        lines.append(f"  {'matrix':22s} {'type':7s} {'shape':17s} {'MB':>7s} {'us':>8s} {'GB/s':>7s} {'of 4.2':>6s} "
+                     f"{'CTAs':>6s}")
+        for r in RESULTS["gemv"]["rows"]:
+            lines.append(f"  {r['label']:22s} {r['type']:7s} {r['shape']:17s} {r['mb']:7.2f} {r['us']:8.1f} "
+                         f"{r['gbps']:7.0f} {r['gbps'] / 4200 * 100:5.0f}% {r['ctas']:6d}")
     if b:
         tb = b["bytes_per_token"]["total"]
         lines += [
@@ -206,7 +338,7 @@ def table() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,model,bench", help="comma list of tests, model, bench")
+    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, model, bench")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     a = ap.parse_args()
     os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
@@ -219,12 +351,14 @@ def main() -> None:
                 phase_tests(["tests/test_cuda_kernels.py"])
             elif p == "tests":
                 phase_tests(["tests/test_cuda_kernels.py", "tests/test_cuda_backend.py"])
+            elif p == "gemv":
+                phase_gemv()
             elif p == "model":
                 phase_model()
             elif p == "bench":
                 phase_bench(a.long_ctx)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, model, bench")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, model, bench")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")

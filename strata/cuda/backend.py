@@ -34,9 +34,10 @@ from strata.cuda.arena import Arena, DevArray, DevMat
 from strata.cuda.doorbell import Doorbell
 from strata.cuda.driver import CudaError
 from strata.cuda.graphs import Graph
-from strata.cuda.launch import CopyH2D, Launch
+from strata.cuda.launch import CopyH2D, Launch, pdl_status
 from strata.cuda.weights import Uploader, conversion_note, device_rows, device_type
 from strata.host.backend import BackendError, Route
+from strata.host.cells import Cells
 from strata.kernels import Kernels
 from strata.kernels import gdn as kgdn
 from strata.kernels import gemv as kgemv
@@ -55,6 +56,7 @@ STEP_TOKEN, STEP_POS, STEP_RING = 0, 1, 2       # common.cuh
 POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, host parts (k, E) f32 here
 MEM_MARGIN = 512 << 20                           # device memory left free for the driver and the graphs
 LOAD_STAGING = 4                                 # pinned buffers for load_expert copies in flight
+DIRECT_EVENTS = 256                              # load_expert copies from pinned blobs in flight
 
 
 class _Later:
@@ -119,7 +121,7 @@ class CudaBackend:
         t0 = time.time()
         self.kern = Kernels(self.dev.arch)
         log(f"strata.cuda: {self.dev.name} (sm_{self.dev.arch}, {self.dev.n_sm} SMs); kernels ready in "
-            f"{time.time() - t0:.1f}s")
+            f"{time.time() - t0:.1f}s; {pdl_status()}")
         self.nsplit = 64
         self.notes: list[str] = []
         self._uploads: list[tuple[DevArray, object]] = []
@@ -153,6 +155,7 @@ class CudaBackend:
         log(f"strata.cuda: arena {self.A.total / 2**30:.2f} GiB, experts {experts}"
             + (f" ({self.n_slots} cache slots)" if experts == "host" else "")
             + (f", {sum(g.n_nodes for g in self._g.values())} graph nodes" if graphs else ", eager launches")
+            + f"; {pdl_status()}"
             + f", ready in {time.time() - t0:.1f}s")
 
     # ---- planning: every buffer reserved before the one allocation ----------------------------------------
@@ -384,6 +387,18 @@ class CudaBackend:
             self.ev_load = [drv.Event() for _ in range(LOAD_STAGING)]
             self.load_used = [False] * LOAD_STAGING
             self.load_turn = 0
+            # pinned cells for the host's expert blobs (host_alloc): an upload from one is a single DMA, and the
+            # blob is kept alive (its cell not reused) until the event after its copies has completed
+            dev = self.dev
+
+            def pinned_chunk(n: int):
+                dev.make_current()              # the expert store allocates on its I/O threads
+                h = drv.HostBuffer(n, what="expert blobs")
+                return h.ptr, h
+            self.cells = Cells(self.slot_bytes, pinned_chunk)
+            self.ev_direct = [drv.Event() for _ in range(DIRECT_EVENTS)]
+            self.direct_turn = 0
+            self._inflight: list[object] = [None] * DIRECT_EVENTS      # the blob each direct event's copies read
 
     # ---- the launches, stage by stage -------------------------------------------------------------------
     def _plan_launches(self) -> None:
@@ -453,15 +468,15 @@ class CudaBackend:
                                                                  Job(d["hc_ffn_inject"], self.b_xn, self.b_inj_f)]),
                                     _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "ffn_up_mix", d["hc_ffn_up"],
                                            self.b_lo, self.b_xn, self.b_x_ffn, hc, E)]))
+            # the shared expert's gate/up pair reads the same input as the router: one launch for the three
             router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r),
-                                         Job(d["shexp_gate"], self.b_x_ffn, self.b_sg)])
+                                         Job(d["shexp_gate"], self.b_x_ffn, self.b_sg),
+                                         Job(d["ffn_gate_shexp"], self.b_x_ffn, self.b_h_sh, w2=d["ffn_up_shexp"])])
 
             def route(db, il=il, p=p):
                 return _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route", cfg, il, self.b_logits_r,
                               self.b_x_ffn, self.b_ids, self.b_wts, self.b_step, db)
-            shared = ("shared", [gemv(p + "shexp_gate_up", [Job(d["ffn_gate_shexp"], self.b_x_ffn, self.b_h_sh,
-                                                                 w2=d["ffn_up_shexp"])]),
-                                 gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
+            shared = ("shared", [gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
             pre.append(st + [("route", [router, route(self.db.ptrs)]), shared])
             pre_tok.append(st + [("route", [router, route(None)]), shared])
             slots = self.b_ids if self.experts == "vram" else self.b_slots
@@ -685,6 +700,39 @@ class CudaBackend:
             parts = (device_rows(gate, fg, Fn, E), device_rows(up, fu, Fn, E), device_rows(down, fd, E, Fn))
         except ValueError as e:
             raise BackendError(f"load_expert: layer {layer} expert {expert}: {e}") from None
+        if all(self.cells.owns(p) and p.flags.c_contiguous for p in parts):   # pinned and in device format
+            self._load_direct(layer, expert, slot, parts)
+        else:
+            self._load_staged(layer, expert, slot, parts)
+        old = self._owner[slot]
+        if old is not None:
+            del self._slot_of[old]
+        self._owner[slot] = (layer, expert)
+        self._slot_of[(layer, expert)] = slot
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        """Host memory for an expert blob (strata.host.experts.ExpertStore): a pinned cell when experts="host"
+        (load_expert then copies straight from it), plain memory otherwise."""
+        if self.experts != "host" or nbytes > self.cells.cell_bytes:
+            return np.empty(nbytes, np.uint8)
+        return self.cells.take(nbytes)
+
+    def _load_direct(self, layer: int, expert: int, slot: int, parts) -> None:
+        i = self.direct_turn
+        if self._inflight[i] is not None:               # DIRECT_EVENTS loads ago: long done in practice
+            self.ev_direct[i].synchronize("expert upload reuse")
+        self.ev_mark.record(self.stream)                # launches made so far may still read the slot's old expert
+        self.side.wait(self.ev_mark)
+        base = self.slot_buf.ptr + slot * self.slot_bytes
+        for rows, at in zip(parts, (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])):
+            drv.memcpy_htod_async(base + at, rows.ctypes.data, rows.nbytes, self.side,
+                                  f"expert {layer}.{expert} -> slot {slot}")
+        self.ev_direct[i].record(self.side)
+        self.ev_slot[slot].record(self.side)
+        self._inflight[i] = parts                       # keeps the blob's cell until the copies are done
+        self.direct_turn = (i + 1) % DIRECT_EVENTS
+
+    def _load_staged(self, layer: int, expert: int, slot: int, parts) -> None:
         i = self.load_turn
         if self.load_used[i]:
             self.ev_load[i].synchronize("expert staging reuse")
@@ -702,11 +750,6 @@ class CudaBackend:
         self.ev_slot[slot].record(self.side)
         self.load_used[i] = True
         self.load_turn = (i + 1) % LOAD_STAGING
-        old = self._owner[slot]
-        if old is not None:
-            del self._slot_of[old]
-        self._owner[slot] = (layer, expert)
-        self._slot_of[(layer, expert)] = slot
 
     @_guarded
     def launch_post(self, seq: _Seq, layer: int, parts: np.ndarray, resident: np.ndarray) -> None:
@@ -866,5 +909,7 @@ class CudaBackend:
             if self.experts == "host":
                 for b in self.h_load:
                     b.free()
+                self._inflight = []
+                self.cells.close(lambda h: h.free())
             self.stream.destroy()
             self.side.destroy()

@@ -97,12 +97,14 @@ class Stream:
 
     def __init__(self):
         self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.prev_kernel = False        # the last thing enqueued was a kernel (strata.cuda.launch: PDL)
 
     def synchronize(self, what: str = "") -> None:
         check(cu.cuStreamSynchronize(self.handle), f"cuStreamSynchronize{f' ({what})' if what else ''}")
 
     def wait(self, ev: "Event") -> None:
         check(cu.cuStreamWaitEvent(self.handle, ev.handle, 0), "cuStreamWaitEvent")
+        self.prev_kernel = False
 
     def destroy(self) -> None:
         check(cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
@@ -117,6 +119,7 @@ class Event:
 
     def record(self, stream: Stream) -> None:
         check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+        stream.prev_kernel = False
 
     def query(self, what: str) -> bool:
         """True when all work before the record has completed; never blocks."""
@@ -165,14 +168,17 @@ class HostBuffer:
 
 def memcpy_htod_async(dst: int, src_ptr: int, nbytes: int, stream: Stream, what: str) -> None:
     check(cu.cuMemcpyHtoDAsync(dst, src_ptr, nbytes, stream.handle), f"cuMemcpyHtoDAsync ({what}, {nbytes} B)")
+    stream.prev_kernel = False
 
 
 def memcpy_dtoh_async(dst_ptr: int, src: int, nbytes: int, stream: Stream, what: str) -> None:
     check(cu.cuMemcpyDtoHAsync(dst_ptr, src, nbytes, stream.handle), f"cuMemcpyDtoHAsync ({what}, {nbytes} B)")
+    stream.prev_kernel = False
 
 
 def memset_async(dst: int, nbytes: int, stream: Stream, what: str, value: int = 0) -> None:
     check(cu.cuMemsetD8Async(dst, value, nbytes, stream.handle), f"cuMemsetD8Async ({what}, {nbytes} B)")
+    stream.prev_kernel = False
 
 
 def cache_root() -> str:

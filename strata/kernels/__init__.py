@@ -11,6 +11,8 @@ class Kernels:
 
     def __init__(self, arch: int):
         self.modules = {name: Module(name, arch) for name in SOURCES}
+        from strata.cuda.launch import probe_pdl
+        probe_pdl(self.fn("gemv", "pdl_probe_a"), self.fn("gemv", "pdl_probe_b"))
 
     def fn(self, module: str, name: str):
         return self.modules[module].function(name)

@@ -17,6 +17,50 @@ typedef long long i64;
 #define FULL_MASK 0xffffffffu
 #define F_INF __int_as_float(0x7f800000)
 
+// The dynamic shared memory of every kernel, as bytes (one symbol per module, so device functions that index it
+// compile to shared-memory loads even when they are not inlined into the kernel). The CPU emulator supplies its own.
+#ifdef __CUDACC__
+extern __shared__ __align__(16) unsigned char dyn_smem[];
+#define SMEM dyn_smem
+#else
+#define SMEM emu_smem()
+#endif
+
+// Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
+// visible, then let the next kernel in the stream be scheduled (its CTAs wait in their own pdl_begin). Every
+// kernel calls this first, before touching global memory and before any early return, so completion stays
+// transitive along the stream. Without the launch attribute both instructions are no-ops.
+__device__ __forceinline__ void pdl_begin() {
+#ifdef __CUDACC__
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// 16 bytes of read-only streaming data (weights): not kept in L1 (x and other reused vectors live there), L2
+// fetches 256-byte groups. p is 16-byte aligned.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 v;
+#ifdef __CUDACC__
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+    v = *(const uint4*)p;
+#endif
+    return v;
+}
+
+// a global float read that bypasses L1 (data another CTA of the same kernel wrote, after a fence)
+__device__ __forceinline__ float ld_cg(const float* p) {
+#ifdef __CUDACC__
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+#else
+    return *(volatile const float*)p;
+#endif
+}
+
 // step[] is the per-token data block filled from pinned staging before the first graph of a token runs.
 #define STEP_TOKEN 0      // token id
 #define STEP_POS 1        // position of the token in the sequence (= cells already cached)

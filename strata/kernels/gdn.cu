@@ -16,6 +16,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const float* __restrict__ beta, const float* __restrict__ conv_w, const float* __restrict__ dt,
     const float* __restrict__ A, const float* __restrict__ norm_w, float* ring, float* S, float* y,
     const i32* __restrict__ step, int Hk, int Hv, int Dk, int Dv, int K, float eps) {
+    pdl_begin();
     extern __shared__ float sm[];
     __shared__ float red[33];
     float* sq = sm;
@@ -25,6 +26,16 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const int h = blockIdx.x, kh = h % Hk, kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
     const int t = step[STEP_POS];
     const int tid = threadIdx.x + threadIdx.y * blockDim.x, nt = blockDim.x * blockDim.y;
+    // the state is the largest read: issue it first, so it streams in while the conv and the norms run
+    const int v = threadIdx.x, ky = threadIdx.y;
+    const bool col = v < Dv;
+    float* Sh = S + (size_t)h * Dk * Dv;
+    float st[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int k = ky * 16 + i;
+        st[i] = (col && k < Dk) ? Sh[(size_t)k * Dv + v] : 0.0f;
+    }
 
     // 1. conv over [K-1 previous raw inputs, this one], SiLU on every channel (before the split)
     for (int i = tid; i < 2 * Dk + Dv; i += nt) {
@@ -59,15 +70,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const float eg = expf(A[h] * softplusf_(alpha[h] + dt[h]));
 
     // 4. S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; o = S^T q
-    const int v = threadIdx.x, ky = threadIdx.y;
-    const bool col = v < Dv;
-    float* Sh = S + (size_t)h * Dk * Dv;
-    float st[16];
     float p = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; i++) {
         const int k = ky * 16 + i;
-        st[i] = (col && k < Dk) ? Sh[(size_t)k * Dv + v] * eg : 0.0f;
+        st[i] = (col && k < Dk) ? st[i] * eg : 0.0f;
         if (k < Dk) p += st[i] * sk[k];
     }
     if (col) part[ky * Dv + v] = p;

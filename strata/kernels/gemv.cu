@@ -1,45 +1,73 @@
 // gemv.cu: every dense matrix-vector product of the forward pass, and the embedding lookup.
 //
-// One launch runs a table of jobs (GemvJob, quant.cuh): the matrices that read the same input (GDN's qkv, gate,
-// alpha and beta; QSA's five projections; the router and the shared expert's gate vector) go in one launch.
-// A CTA is 8 warps; a job gives each row `wpr` warps (long rows are split so that every lane has >= 2 parts),
-// so 8 / wpr rows per CTA. Partial sums meet in a fixed order: the result is deterministic, which is what lets
-// a replayed graph equal the eager kernel sequence bit for bit.
+// One launch runs a table of jobs: the matrices that read the same input (GDN's qkv, gate, alpha and beta; QSA's
+// five projections; the router, the shared expert's gate vector and its gate/up pair) go in one launch. A CTA
+// (256 threads) takes one tile of one job: RT = G * RR consecutive rows staged in shared memory (quant.cuh, the
+// GEMV core), thread group g of TPG threads owning rows g, g + G, ... of the tile. Partial sums meet in a fixed
+// order: the result is deterministic, which is what lets a replayed graph equal the eager sequence bit for bit.
 #include "quant.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) gemv_jobs(const GemvJob* __restrict__ jobs, int n_jobs) {
-    __shared__ float part[8], part2[8];
+// y[r] = W[r] . x for r < n_out; when w2 is set (GLU), y[r] = silu(W[r] . x) * (W2[r] . x).
+// Layout must match strata/kernels/gemv.py (JOB_DTYPE): 64 bytes.
+struct GemvJob {
+    const u8* w;         // rows of row_bytes, n_out of them
+    const u8* w2;        // GLU partner (same n_in, n_out), or null
+    const float* x;      // (n_in,) 16-byte aligned
+    float* y;            // (n_out,)
+    i32 type, type2;     // ggml type ids of w and w2
+    i32 n_in, n_out;
+    i32 row_bytes, row_bytes2;
+    i32 cta0;            // first CTA of this job in its launch
+    i32 geom;            // log2(TPG) | RR << 4 (quant.cuh geom_*); tile rows RT = 256 / TPG * RR
+};
+
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_jobs(const GemvJob* __restrict__ jobs, int n_jobs) {
+    __shared__ float red[4 * 8];
+    pdl_begin();
     int j = 0;
     for (int i = 1; i < n_jobs; i++)
         if (jobs[i].cta0 <= (int)blockIdx.x) j = i;
     const GemvJob J = jobs[j];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rpc = 8 / J.wpr, rl = warp / J.wpr, slice = warp % J.wpr;
-    const int row = ((int)blockIdx.x - J.cta0) * rpc + rl;
+    const int tpg = geom_tpg(J.geom), rr = geom_rr(J.geom), G = blockDim.x / tpg, RT = G * rr;
+    const int row0 = ((int)blockIdx.x - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
     const bool glu = J.w2 != nullptr;
-    float acc = 0.0f, acc2 = 0.0f;
-    if (row < J.n_out) {
-        acc = row_dot(J.type, J.w + (size_t)row * J.row_bytes, J.x, J.n_in, slice * 32 + lane, J.wpr * 32);
-        if (glu) acc2 = row_dot(J.type2, J.w2 + (size_t)row * J.row_bytes2, J.x, J.n_in, slice * 32 + lane, J.wpr * 32);
+
+    Ranges R;
+    R.src[0] = J.w + (size_t)row0 * J.row_bytes;
+    R.n[0] = nrows * J.row_bytes;
+    R.dst[0] = 0;
+    R.src[1] = glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr;
+    R.n[1] = glu ? nrows * J.row_bytes2 : 0;
+    R.dst[1] = range_end(R, 0) + 16;
+    R.src[2] = R.src[3] = nullptr;
+    R.n[2] = R.n[3] = 0;
+    R.dst[2] = R.dst[3] = 0;
+    stage(R);
+    __syncthreads();
+
+    const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
+    int o[4], o2[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int t = k * G + g;          // row of the tile
+        const bool ok = k < rr && t < nrows;
+        o[k] = ok ? range_off(R, 0) + t * J.row_bytes : -1;
+        o2[k] = ok && glu ? range_off(R, 1) + t * J.row_bytes2 : -1;
     }
-    acc = warp_sum(acc);
-    acc2 = warp_sum(acc2);
-    if (J.wpr > 1) {
-        if (lane == 0) {
-            part[warp] = acc;
-            part2[warp] = acc2;
-        }
-        __syncthreads();
-        if (slice == 0 && lane == 0) {
-            acc = 0.0f;
-            acc2 = 0.0f;
-            for (int s = 0; s < J.wpr; s++) {
-                acc += part[rl * J.wpr + s];
-                acc2 += part2[rl * J.wpr + s];
-            }
+    float4 a = dot_rows(J.type, o[0], o[1], o[2], o[3], J.x, J.n_in, l, tpg);
+    a = group_sum(a, tpg, red);
+    float4 b = a;
+    if (glu) {
+        b = dot_rows(J.type2, o2[0], o2[1], o2[2], o2[3], J.x, J.n_in, l, tpg);
+        b = group_sum(b, tpg, red);
+    }
+    if (l == 0) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int t = k * G + g;
+            if (k < rr && t < nrows) J.y[row0 + t] = glu ? siluf_(f4get(a, k)) * f4get(b, k) : f4get(a, k);
         }
     }
-    if (slice == 0 && lane == 0 && row < J.n_out) J.y[row] = glu ? siluf_(acc) * acc2 : acc;
 }
 
 // R[s] = row step[TOKEN] of the embedding table, dequantized, for every stream s (grid hc); then, when `norm` is
@@ -48,9 +76,25 @@ extern "C" __global__ void __launch_bounds__(256) embed_rms(const u8* __restrict
                                                            int E, const i32* __restrict__ step, float* R,
                                                            const float* __restrict__ norm, float* xn, float eps) {
     __shared__ float red[33];
+    pdl_begin();
     const int s = blockIdx.x;
     const u8* row = table + (size_t)step[STEP_TOKEN] * row_bytes;
     row_deq(type, row, R + (size_t)s * E, E, threadIdx.x, blockDim.x);
     __syncthreads();
     if (norm != nullptr) stream_rms(R + (size_t)s * E, norm + (size_t)s * E, xn + (size_t)s * E, E, eps, red);
+}
+
+// Programmatic-launch probe (strata.cuda.launch): b[i] = a[i] + 1 after a kernel that wrote a[i] = i slowly.
+extern "C" __global__ void __launch_bounds__(256) pdl_probe_a(float* a, int n, int spin) {
+    pdl_begin();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = (float)i;
+    for (int k = 0; k < spin; k++) v = v * 1.0000001f - (float)i * 1e-7f;
+    if (i < n) a[i] = v - v + (float)i;
+}
+
+extern "C" __global__ void __launch_bounds__(256) pdl_probe_b(const float* a, float* b, int n) {
+    pdl_begin();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) b[i] = a[i] + 1.0f;
 }

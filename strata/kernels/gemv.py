@@ -1,7 +1,9 @@
-"""gemv.cu's wrappers: the job table of a `gemv_jobs` launch, and the embedding lookup.
+"""gemv.cu's wrappers: the job table of a `gemv_jobs` launch, the tile geometry of the GEMV core, and the
+embedding lookup.
 
-The block geometry below mirrors quant.cuh's format structs (QK elements, BB bytes, NP parts per block); it sets
-how many warps share a row so that every lane has at least two parts of work when the row is long.
+The block geometry below mirrors quant.cuh's V* format structs (QK elements, BB bytes, NP parts per block). A CTA
+of NT threads takes a tile of RT = (NT / TPG) * RR rows, staged in shared memory; `geometry` picks TPG (threads
+sharing a row) and RR (rows per thread, sharing its x loads) per matrix shape from a small time model.
 """
 
 from __future__ import annotations
@@ -14,22 +16,29 @@ from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
 from strata.quant.formats import QType, row_bytes
 
-# ggml type -> (elements per block, bytes per block, parts per block), as in quant.cuh
+# ggml type -> (elements per block, bytes per block, parts per block), as the V* structs in quant.cuh
 BLOCKS: dict[QType, tuple[int, int, int]] = {
     QType.F32: (8, 32, 1), QType.F16: (8, 16, 1), QType.BF16: (8, 16, 1),
     QType.Q4_0: (32, 18, 4), QType.Q4_1: (32, 20, 4), QType.Q5_0: (32, 22, 4), QType.Q5_1: (32, 24, 4),
-    QType.Q8_0: (32, 34, 4), QType.Q2_0: (64, 18, 4), QType.IQ4_NL: (32, 18, 4),
+    QType.Q8_0: (32, 34, 2), QType.Q2_0: (64, 18, 4), QType.IQ4_NL: (32, 18, 4),
     QType.Q2_K: (256, 84, 16), QType.Q3_K: (256, 110, 16), QType.Q4_K: (256, 144, 8), QType.Q5_K: (256, 176, 8),
     QType.Q6_K: (256, 210, 8), QType.IQ4_XS: (256, 136, 8),
 }
 KERNEL_TYPES = frozenset(BLOCKS)
 FLOAT_TYPES = frozenset((QType.F32, QType.F16, QType.BF16))
-CTA_WARPS = 8
+CTA_THREADS = 256
+CTA_WARPS = CTA_THREADS // 32
+TILE_MAX = 46 * 1024          # bytes one CTA stages (both matrices of a GLU pair), 16-byte chunks
+N_SM = 132                    # the H200's multiprocessors: the time model's parallelism
 
-# struct GemvJob (quant.cuh), 64 bytes
+# instructions per weight of each format's decode + FMA (quant.cuh), for the time model
+OPS: dict[QType, float] = {QType.Q2_0: 3.3, QType.Q8_0: 3.6, QType.IQ4_XS: 4.8, QType.Q4_K: 3.9, QType.Q5_K: 4.5,
+                           QType.Q6_K: 4.5, QType.F32: 2.0, QType.F16: 2.2, QType.BF16: 2.2}
+
+# struct GemvJob (gemv.cu), 64 bytes
 JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("type", "<i4"), ("type2", "<i4"),
                       ("n_in", "<i4"), ("n_out", "<i4"), ("row_bytes", "<i4"), ("row_bytes2", "<i4"),
-                      ("cta0", "<i4"), ("wpr", "<i4")])
+                      ("cta0", "<i4"), ("geom", "<i4")])
 assert JOB_DTYPE.itemsize == 64
 
 
@@ -40,14 +49,64 @@ def device_row_bytes(qt: QType, n_in: int) -> int:
     return row_bytes(qt, n_in)
 
 
-def warps_per_row(qt: int, n_in: int) -> int:
-    """1, 2, 4 or 8 warps on one row: the most that still leave each lane two parts."""
+def n_parts(qt: int, n_in: int) -> int:
     qk, _, np_ = BLOCKS[QType(qt)]
-    parts = (n_in + qk - 1) // qk * np_
-    w = 1
-    while w < CTA_WARPS and parts >= 2 * 32 * (2 * w):
-        w *= 2
-    return w
+    return (n_in + 7) // 8 if QType(qt) in FLOAT_TYPES else n_in // qk * np_
+
+
+@dataclass(frozen=True)
+class Geom:
+    tpg: int      # threads per row group (a power of 2, 4 .. nt)
+    rr: int       # rows per thread (1, 2 or 4), sharing the thread's x loads
+    nt: int       # threads per CTA
+
+    @property
+    def groups(self) -> int:
+        return self.nt // self.tpg
+
+    @property
+    def rows(self) -> int:          # rows per tile
+        return self.groups * self.rr
+
+    @property
+    def word(self) -> int:          # quant.cuh geom_tpg / geom_rr
+        return (self.tpg.bit_length() - 1) | (self.rr << 4)
+
+
+def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: int = CTA_THREADS,
+             rr_only: int | None = None, tile_max: int = TILE_MAX, n_sm: int = N_SM, ctas_per_sm: int = 2) -> Geom:
+    """The (TPG, RR) whose estimated time is least: per-CTA latency + streaming + the busiest thread's work,
+    times the CTA waves, but never under the bytes at 3.5 TB/s. `halves` = 2 for a GLU pair; rr_only fixes RR
+    (up_mix: one row per stream)."""
+    qt = QType(qt)
+    np_ = n_parts(qt, n_in)
+    epp = 8 if qt in FLOAT_TYPES else BLOCKS[qt][0] * 1 // BLOCKS[qt][2]
+    ops = OPS.get(qt, 6.0)
+    total = n_out * rb * halves
+    best, best_t = None, None
+    tpg = 4
+    while tpg <= nt:
+        for rr in ((rr_only,) if rr_only else (4, 2, 1)):
+            g = Geom(tpg, rr, nt)
+            tile = min(g.rows, n_out) * rb * halves + 32 * halves
+            if tile > tile_max and not (tpg == nt and rr == (rr_only or 1)):
+                continue
+            ppt = -(-np_ // tpg)
+            n_tiles = -(-n_out // g.rows)
+            work = ppt * epp * (rr * ops + 3.0)                    # the busiest thread, + its x reads (L1)
+            t_cta = 1.0 + tile / 20e3 + work / 500.0               # us: latency, streaming, compute
+            t = max(t_cta * max(1.0, n_tiles / (n_sm * ctas_per_sm)), total / 3.5e6)
+            if best_t is None or t < best_t * 0.98:
+                best, best_t = g, t
+        tpg *= 2
+    return best
+
+
+def warps_per_row(qt: int, n_in: int, n_out: int = 5) -> int:
+    """Warps sharing one row in the geometry of an n_out x n_in matrix (1 when a row group fits in a warp)."""
+    qt = QType(qt)
+    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in))
+    return max(1, g.tpg // 32)
 
 
 @dataclass
@@ -73,10 +132,10 @@ def _check_mat(m: DevMat, what: str) -> None:
                          f"{device_row_bytes(QType(m.qtype), m.n_in)}")
 
 
-def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job]) -> Launch:
-    """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job."""
+def gemv_plan(jobs: list[Job], name: str = "gemv") -> tuple[np.ndarray, int, int]:
+    """(job rows, CTAs, dynamic shared bytes) of a launch: the table's contents with addresses filled."""
     rows = np.zeros(len(jobs), JOB_DTYPE)
-    cta = 0
+    cta, smem = 0, 0
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
         _check_mat(j.w, what)
@@ -86,22 +145,42 @@ def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job]) -> Launch:
             raise ValueError(f"{what}: x '{j.x.name}' is not 16-byte aligned")
         if not 0 <= j.mat < j.w.n_mat:
             raise ValueError(f"{what}: matrix {j.mat} of {j.w.n_mat}")
-        wpr = warps_per_row(j.w.qtype, j.w.n_in)
         r = rows[i]
         r["w"], r["x"], r["y"] = j.w.ptr + j.mat * j.w.mat_bytes, j.x.ptr, j.y.ptr
         r["type"], r["n_in"], r["n_out"], r["row_bytes"] = j.w.qtype, j.w.n_in, j.w.n_out, j.w.row_bytes
+        rb2 = 0
         if j.w2 is not None:
             _check_mat(j.w2, what + " (GLU partner)")
             if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
-            wpr = max(wpr, warps_per_row(j.w2.qtype, j.w2.n_in))
-        r["cta0"], r["wpr"] = cta, wpr
-        cta += (j.w.n_out + CTA_WARPS // wpr - 1) // (CTA_WARPS // wpr)
+            rb2 = j.w2.row_bytes
+        qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) \
+            else j.w2.qtype
+        g = geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1)
+        r["cta0"], r["geom"] = cta, g.word
+        nrows = min(g.rows, j.w.n_out)
+        smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))
+        cta += -(-j.w.n_out // g.rows)
+    return rows, cta, smem
+
+
+def tile_smem(*range_bytes: int) -> int:
+    """Shared bytes for staged ranges (quant.cuh stage: each from a 16-byte boundary, 16 bytes apart, + slack)."""
+    total = 0
+    for n in range_bytes:
+        if n > 0:
+            total += (n + 15 + 15) // 16 * 16 + 16
+    return total + 16
+
+
+def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job]) -> Launch:
+    """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job."""
+    rows, cta, smem = gemv_plan(jobs, name)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 64} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
-    return Launch(fn, name, (cta,), (32 * CTA_WARPS,), 0, [P(table), I(len(jobs))])
+    return Launch(fn, name, (cta,), (CTA_THREADS,), smem, [P(table), I(len(jobs))])
 
 
 def embed_launch(fn, name: str, table: DevMat, step: DevArray, R: DevArray, norm: DevArray | None,

@@ -6,6 +6,7 @@
 extern "C" __global__ void __launch_bounds__(1024) rms_group(const float* __restrict__ R, const float* __restrict__ w,
                                                              float* xn, int E, float eps) {
     __shared__ float red[33];
+    pdl_begin();
     const size_t o = (size_t)blockIdx.x * E;
     stream_rms(R + o, w + o, xn + o, E, eps, red);
 }
@@ -17,30 +18,56 @@ extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const flo
                                                              const float* __restrict__ w, float* xn, int E, int hc,
                                                              float eps) {
     __shared__ float red[33];
+    pdl_begin();
     const int s = blockIdx.x;
     const float inj = 2.0f * sigmoidf_(inj_raw[s] / (float)hc);
     float* r = R + (size_t)s * E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) r[e] = r[e] + inj * out[e];
-    __syncthreads();
-    stream_rms(r, w + (size_t)s * E, xn + (size_t)s * E, E, eps, red);
+    float ss = 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float v = r[e] + inj * out[e];
+        r[e] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) xn[(size_t)s * E + e] = (r[e] * inv) * w[(size_t)s * E + e];
 }
 
 // mixed[e] = mean_s sigmoid(up[s*E + e] . lo) * xn[s, e] with lo = silu(lo_raw / hc) (gr_read's tail).
-// lo (r values) is staged in shared memory with zeros up to a multiple of 8; one warp per e, 8 per CTA.
+// A CTA takes G = blockDim / TPG consecutive e: the GEMV core with one row set per stream (rows s*E + e), so a
+// thread's lo reads serve the hc rows of its e. lo lives in shared memory after the tiles, zeros up to a multiple
+// of 8. hc <= 4.
 extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ up, int type, int row_bytes, int r,
                                                          const float* __restrict__ lo_raw,
-                                                         const float* __restrict__ xn, float* mixed, int E, int hc) {
-    extern __shared__ __align__(16) float lo[];
+                                                         const float* __restrict__ xn, float* mixed, int E, int hc,
+                                                         int geom) {
+    __shared__ float red[4 * 8];
+    pdl_begin();
+    const int tpg = geom_tpg(geom), G = blockDim.x / tpg;
+    const int e0 = blockIdx.x * G, ne = min(G, E - e0);
+    Ranges R;
+    int end = 0;
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        R.src[s] = s < hc ? up + ((size_t)s * E + e0) * row_bytes : nullptr;
+        R.n[s] = s < hc ? ne * row_bytes : 0;
+        R.dst[s] = end;
+        if (s < hc) end = range_end(R, s) + 16;
+    }
+    stage(R);
+    float* lo = (float*)(SMEM + end);
     const int rp = (r + 7) & ~7;
     for (int i = threadIdx.x; i < rp; i += blockDim.x) lo[i] = i < r ? siluf_(lo_raw[i] / (float)hc) : 0.0f;
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x * 8 + warp;
-    if (e >= E) return;
-    float acc = 0.0f;
-    for (int s = 0; s < hc; s++) {
-        const float d = warp_sum(row_dot(type, up + (size_t)(s * E + e) * row_bytes, lo, r, lane, 32));
-        acc += sigmoidf_(d) * xn[(size_t)s * E + e];
+    const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
+    int o[4];
+#pragma unroll
+    for (int s = 0; s < 4; s++) o[s] = s < hc && g < ne ? range_off(R, s) + g * row_bytes : -1;
+    float4 a = dot_rows(type, o[0], o[1], o[2], o[3], lo, r, l, tpg);
+    a = group_sum(a, tpg, red);
+    if (l == 0 && g < ne) {
+        float acc = 0.0f;
+        for (int s = 0; s < hc; s++) acc += sigmoidf_(f4get(a, s)) * xn[(size_t)s * E + e0 + g];
+        mixed[e0 + g] = acc / (float)hc;
     }
-    if (lane == 0) mixed[e] = acc / (float)hc;
 }

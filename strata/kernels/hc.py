@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
-from strata.kernels.gemv import KERNEL_TYPES, device_row_bytes
+from strata.kernels.gemv import KERNEL_TYPES, device_row_bytes, geometry, tile_smem
+
+MAX_HC = 4           # up_mix: one row set per stream, 4 at most (quant.cuh)
 
 
 def rms_group_launch(fn, name: str, R: DevArray, w: DevArray, xn: DevArray, hc: int, E: int, eps: float) -> Launch:
@@ -24,6 +26,19 @@ def write_rms_launch(fn, name: str, R: DevArray, inj_raw: DevArray, out: DevArra
     return Launch(fn, name, (hc,), (1024,), 0, [P(R), P(inj_raw), P(out), P(w), P(xn), I(E), I(hc), F(eps)])
 
 
+def up_mix_geometry(qt: int, r: int, rb: int, hc: int, E: int):
+    """The up_mix tile: 64, 128 or 256 threads, TPG threads per e, one row per stream (RR = hc)."""
+    best = None
+    for nt in (64, 128, 256):
+        g = geometry(qt, r, E * hc, rb, nt=nt, rr_only=hc)
+        ctas = -(-E // g.groups)
+        # the model's own estimate is not returned: prefer a grid that fills the GPU with the fewest threads idle
+        key = (min(ctas, 264) * g.groups >= min(E, 264 * g.groups) * 0.99, -abs(ctas - 264), -nt)
+        if best is None or key > best[0]:
+            best = (key, g)
+    return best[1]
+
+
 def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mixed: DevArray, hc: int,
                   E: int) -> Launch:
     """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]."""
@@ -31,8 +46,13 @@ def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mix
     if up.n_out != hc * E or up.qtype not in KERNEL_TYPES or up.row_bytes != device_row_bytes(up.qtype, r):
         raise ValueError(f"{name}: up matrix '{up.buf.name}' is {up.n_out}x{r} (type {up.qtype}), needs "
                          f"{hc * E} rows in a kernel format")
+    if not 1 <= hc <= MAX_HC:
+        raise ValueError(f"{name}: {hc} streams; up_mix takes at most {MAX_HC}")
     need(lo_raw, name + " lo", r)
     need(xn, name + " xn", hc * E)
     need(mixed, name + " mixed", E)
-    return Launch(fn, name, ((E + 7) // 8,), (256,), (r + 7) // 8 * 8 * 4,
-                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), P(xn), P(mixed), I(E), I(hc)])
+    g = up_mix_geometry(up.qtype, r, up.row_bytes, hc, E)
+    ne = min(g.groups, E)
+    smem = tile_smem(*([ne * up.row_bytes] * hc)) + (r + 7) // 8 * 8 * 4 + 16
+    return Launch(fn, name, (-(-E // g.groups),), (g.nt,), smem,
+                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), P(xn), P(mixed), I(E), I(hc), I(g.word)])

@@ -10,7 +10,7 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
-from strata.kernels.gemv import CTA_WARPS, KERNEL_TYPES, device_row_bytes, warps_per_row
+from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geometry, tile_smem
 
 MAX_EXPERTS = 1024      # one router thread per expert
 MAX_USED = 64           # pk[] in moe_route
@@ -19,7 +19,7 @@ MAX_USED = 64           # pk[] in moe_route
 MOE_JOB_DTYPE = np.dtype([("g_base", "<u8"), ("u_base", "<u8"), ("d_base", "<u8"), ("g_stride", "<i8"),
                           ("u_stride", "<i8"), ("d_stride", "<i8"), ("type_g", "<i4"), ("type_u", "<i4"),
                           ("type_d", "<i4"), ("rb_g", "<i4"), ("rb_u", "<i4"), ("rb_d", "<i4"), ("E", "<i4"),
-                          ("F", "<i4"), ("Fp", "<i4"), ("wpr_gu", "<i4"), ("wpr_d", "<i4"), ("pad", "<i4")])
+                          ("F", "<i4"), ("Fp", "<i4"), ("geom_gu", "<i4"), ("geom_d", "<i4"), ("pad", "<i4")])
 assert MOE_JOB_DTYPE.itemsize == 96
 
 
@@ -40,7 +40,7 @@ def route_launch(fn, name: str, cfg: ModelConfig, layer: int, logits: DevArray, 
     need(wts, name + " weights", k)
     need(step, name + " step", 8, np.int32)
     d = db or DoorbellPtrs(0, 0, 0, 0)
-    return Launch(fn, name, (1,), (1024,), 0,
+    return Launch(fn, name, (1,), (max(32, (n + 31) // 32 * 32),), 0,
                   [P(logits), P(x), P(ids), P(wts), P(d.x), P(d.ids), P(d.wts), P(d.seq), P(step), I(layer), I(n),
                    I(k), I(E)])
 
@@ -66,6 +66,16 @@ class ExpertBank:
     stride: tuple[int, int, int]      # bytes between slots: gate, up, down
 
 
+def expert_geometry(cfg: ModelConfig, bank: ExpertBank):
+    """(gate/up geometry, down geometry): k experts' rows together set the parallelism."""
+    E, Fn, k = cfg.n_embd, cfg.n_ff_exp, cfg.n_expert_used
+    g, u, d = bank.gate, bank.up, bank.down
+    qt = g.qtype if g.row_bytes >= u.row_bytes else u.qtype
+    gu = geometry(qt, E, Fn * k, max(g.row_bytes, u.row_bytes), halves=2)
+    dn = geometry(d.qtype, Fn, E * k, d.row_bytes)
+    return gu, dn
+
+
 def moe_job_row(cfg: ModelConfig, bank: ExpertBank) -> np.ndarray:
     E, Fn = cfg.n_embd, cfg.n_ff_exp
     g, u, d = bank.gate, bank.up, bank.down
@@ -80,8 +90,8 @@ def moe_job_row(cfg: ModelConfig, bank: ExpertBank) -> np.ndarray:
     r["type_g"], r["type_u"], r["type_d"] = g.qtype, u.qtype, d.qtype
     r["rb_g"], r["rb_u"], r["rb_d"] = g.row_bytes, u.row_bytes, d.row_bytes
     r["E"], r["F"], r["Fp"] = E, Fn, padded_ff(cfg)
-    r["wpr_gu"] = max(warps_per_row(g.qtype, E), warps_per_row(u.qtype, E))
-    r["wpr_d"] = warps_per_row(d.qtype, Fn)
+    gu, dn = expert_geometry(cfg, bank)
+    r["geom_gu"], r["geom_d"] = gu.word, dn.word
     return r
 
 
@@ -96,11 +106,15 @@ def expert_launches(fn_gate_up, fn_down, name: str, cfg: ModelConfig, job: DevAr
     need(h, name + " h", k * padded_ff(cfg))
     need(out, name + " out", k * E)
     job.upload(row.view(np.uint8))
-    rpc_gu, rpc_d = CTA_WARPS // int(row["wpr_gu"][0]), CTA_WARPS // int(row["wpr_d"][0])
-    gu = Launch(fn_gate_up, name + ".gate_up", ((Fn + rpc_gu - 1) // rpc_gu, k), (256,), 0,
-                [P(job), P(slots), P(x), P(h)])
-    dn = Launch(fn_down, name + ".down", ((E + rpc_d - 1) // rpc_d, k), (256,), 0, [P(job), P(slots), P(h), P(out)])
-    return gu, dn
+    gu, dn = expert_geometry(cfg, bank)
+    rg, rd = min(gu.rows, Fn), min(dn.rows, E)
+    smem_gu = tile_smem(rg * bank.gate.row_bytes, rg * bank.up.row_bytes)
+    smem_d = tile_smem(rd * bank.down.row_bytes)
+    gul = Launch(fn_gate_up, name + ".gate_up", (-(-Fn // gu.rows), k), (CTA_THREADS,), smem_gu,
+                 [P(job), P(slots), P(x), P(h)])
+    dnl = Launch(fn_down, name + ".down", (-(-E // dn.rows), k), (CTA_THREADS,), smem_d,
+                 [P(job), P(slots), P(h), P(out)])
+    return gul, dnl
 
 
 def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArray, gpu_parts: DevArray,

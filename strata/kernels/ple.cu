@@ -13,6 +13,7 @@ extern "C" __global__ void __launch_bounds__(1024) ple_mix(
     float* R, const float* __restrict__ key_raw, const float* __restrict__ value, const float* __restrict__ norm_key,
     const float* __restrict__ norm_query, const float* __restrict__ norm_conv, const float* __restrict__ conv_w,
     float* hist, const i32* __restrict__ step, int E, int hc, int K, int dil, float eps) {
+    pdl_begin();
     __shared__ float red[33];
     const int s = blockIdx.x, t = step[STEP_POS], Hh = (K - 1) * dil, C = hc * E;
     const size_t o = (size_t)s * E;

@@ -19,6 +19,7 @@ extern "C" __global__ void __launch_bounds__(128) qsa_prep(
     const float* __restrict__ inv_freq, float* q_out, float* Kc, float* Vc, float* iq_out, float* idx_raw,
     float* idx_blk, const i32* __restrict__ step, int H, int Hkv, int D, int Hi, int Di, int n_rot, int ratio,
     float eps) {
+    pdl_begin();
     extern __shared__ float v[];
     __shared__ float red[33];
     const int b = blockIdx.x, t = step[STEP_POS];
@@ -73,6 +74,7 @@ extern "C" __global__ void __launch_bounds__(256) qsa_score(const float* __restr
                                                             const float* __restrict__ idx_blk, float* scores,
                                                             const i32* __restrict__ step, int Hi, int Di, int ratio,
                                                             int topk) {
+    pdl_begin();
     const int nb = (step[STEP_POS] + 1) / ratio;
     if (nb <= topk) return;
     const int lane = threadIdx.x & 31, nw = (gridDim.x * blockDim.x) >> 5;
@@ -121,6 +123,7 @@ __device__ __forceinline__ int block_exscan(int x, int* sm) {
 // Cells attended: the selected blocks' ratio cells each, then the incomplete tail nb*ratio .. t.
 extern "C" __global__ void __launch_bounds__(1024) qsa_select(const float* __restrict__ scores, i32* sel, i32* meta,
                                                               const i32* __restrict__ step, int ratio, int topk) {
+    pdl_begin();
     __shared__ u32 hist[256];
     __shared__ u32 sh_prefix, sh_need;
     __shared__ int scan[33];
@@ -187,6 +190,7 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_attn(const float* __restr
                                                             const i32* __restrict__ meta, float* part,
                                                             const i32* __restrict__ step, int Hkv, int D, int ratio,
                                                             int nsplit) {
+    pdl_begin();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31;
     const int group = blockDim.x >> 5, h = kvh * group + (threadIdx.x >> 5);
     const int nb = (step[STEP_POS] + 1) / ratio, nsc = meta[0] * ratio, n_cells = meta[1];
@@ -236,6 +240,7 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_attn(const float* __restr
 extern "C" __global__ void __launch_bounds__(256) qsa_combine(const float* __restrict__ part,
                                                               const float* __restrict__ qg, float* y, int D,
                                                               int nsplit) {
+    pdl_begin();
     const int h = blockIdx.x;
     const float* ph = part + (size_t)h * nsplit * (D + 2);
     float M = -F_INF;

@@ -318,28 +318,7 @@ struct FIQ4_XS {  // 256 el, 136 B: d, scales_h (u16), scales_l[4], qs[128] at 8
     __device__ static int run(int ib, int r) { return 32 * ib + 4 * r; }
 };
 
-// ---- one part against x, and one part written out ------------------------------------------------------
-
-template <class F>
-__device__ __forceinline__ float part_dot(const u8* blk, int p, const float* xb) {
-    float q[F::EPP], a[F::G], b[F::G];
-    F::decode(blk, p, q, a, b);
-    constexpr int RUNS = F::EPP / 4, RPG = RUNS / F::G;
-    float acc = 0.0f;
-#pragma unroll
-    for (int g = 0; g < F::G; g++) {
-        float s = 0.0f, sx = 0.0f;
-#pragma unroll
-        for (int rr = 0; rr < RPG; rr++) {
-            const int r = g * RPG + rr;
-            const float4 xv = *(const float4*)(xb + F::run(p, r));
-            s += q[4 * r] * xv.x + q[4 * r + 1] * xv.y + q[4 * r + 2] * xv.z + q[4 * r + 3] * xv.w;
-            if (F::HAS_B) sx += (xv.x + xv.y) + (xv.z + xv.w);
-        }
-        acc += F::HAS_B ? a[g] * s + b[g] * sx : a[g] * s;
-    }
-    return acc;
-}
+// ---- one part written out (the embedding lookup) ------------------------------------------------------
 
 template <class F>
 __device__ __forceinline__ void part_deq(const u8* blk, int p, float* ob) {
@@ -370,63 +349,6 @@ __device__ __forceinline__ void float8(const u8* w, float* v) {
             v[2 * i + 1] = T == T_F16 ? h2f((u16)(h[i] >> 16)) : bf2f((u16)(h[i] >> 16));
         }
     }
-}
-
-// ---- a row against x: this lane's share (lane `li` of `lt` cooperating lanes); the caller reduces ---------
-
-template <class F>
-__device__ __forceinline__ float row_dot_q(const u8* row, const float* x, int n_in, int li, int lt) {
-    const int nparts = n_in / F::QK * F::NP;
-    float acc = 0.0f;
-#pragma unroll 2
-    for (int i = li; i < nparts; i += lt) {
-        const int blk = i / F::NP, p = i % F::NP;
-        acc += part_dot<F>(row + (size_t)blk * F::BB, p, x + blk * F::QK);
-    }
-    return acc;
-}
-
-template <int T>
-__device__ __forceinline__ float row_dot_f(const u8* row, const float* x, int n_in, int li, int lt) {
-    constexpr int ES = T == T_F32 ? 4 : 2;
-    const int nparts = (n_in + 7) >> 3;
-    float acc = 0.0f;
-#pragma unroll 2
-    for (int i = li; i < nparts; i += lt) {
-        float v[8];
-        float8<T>(row + (size_t)i * 8 * ES, v);
-        const int base = 8 * i;
-        if (base + 8 <= n_in) {
-            const float4 x0 = *(const float4*)(x + base), x1 = *(const float4*)(x + base + 4);
-            acc += (v[0] * x0.x + v[1] * x0.y + v[2] * x0.z + v[3] * x0.w) +
-                   (v[4] * x1.x + v[5] * x1.y + v[6] * x1.z + v[7] * x1.w);
-        } else {
-            for (int j = 0; base + j < n_in; j++) acc += v[j] * x[base + j];
-        }
-    }
-    return acc;
-}
-
-__device__ __noinline__ float row_dot(int type, const u8* row, const float* x, int n_in, int li, int lt) {
-    switch (type) {
-        case T_F32: return row_dot_f<T_F32>(row, x, n_in, li, lt);
-        case T_F16: return row_dot_f<T_F16>(row, x, n_in, li, lt);
-        case T_BF16: return row_dot_f<T_BF16>(row, x, n_in, li, lt);
-        case T_Q4_0: return row_dot_q<FQ4_0>(row, x, n_in, li, lt);
-        case T_Q4_1: return row_dot_q<FQ4_1>(row, x, n_in, li, lt);
-        case T_Q5_0: return row_dot_q<FQ5_0>(row, x, n_in, li, lt);
-        case T_Q5_1: return row_dot_q<FQ5_1>(row, x, n_in, li, lt);
-        case T_Q8_0: return row_dot_q<FQ8_0>(row, x, n_in, li, lt);
-        case T_Q2_0: return row_dot_q<FQ2_0>(row, x, n_in, li, lt);
-        case T_Q2_K: return row_dot_q<FQ2_K>(row, x, n_in, li, lt);
-        case T_Q3_K: return row_dot_q<FQ3_K>(row, x, n_in, li, lt);
-        case T_Q4_K: return row_dot_q<FQ4_K>(row, x, n_in, li, lt);
-        case T_Q5_K: return row_dot_q<FQ5_K>(row, x, n_in, li, lt);
-        case T_Q6_K: return row_dot_q<FQ6_K>(row, x, n_in, li, lt);
-        case T_IQ4_NL: return row_dot_q<FIQ4_NL>(row, x, n_in, li, lt);
-        case T_IQ4_XS: return row_dot_q<FIQ4_XS>(row, x, n_in, li, lt);
-    }
-    return __int_as_float(0x7fc00000);   // an unknown type poisons the output instead of passing silently
 }
 
 // ---- a row dequantized into out[0, n_in) (the embedding lookup) ------------------------------------------
@@ -471,18 +393,422 @@ __device__ __noinline__ void row_deq(int type, const u8* row, float* out, int n_
     }
 }
 
-// ---- a job: one matrix of a launch, kept in device memory for the life of the session ---------------------
 
-// y[r] = W[r] . x for r < n_out; when w2 is set (GLU), y[r] = silu(W[r] . x) * (W2[r] . x).
-// Layout must match strata/kernels/gemv.py (JOB_DTYPE): 64 bytes.
-struct GemvJob {
-    const u8* w;         // rows of row_bytes, n_out of them
-    const u8* w2;        // GLU partner (same n_in, n_out), or null
-    const float* x;      // (n_in,) 16-byte aligned
-    float* y;            // (n_out,)
-    i32 type, type2;     // ggml type ids of w and w2
-    i32 n_in, n_out;
-    i32 row_bytes, row_bytes2;
-    i32 cta0;            // first CTA of this job in its launch
-    i32 wpr;             // warps per row (1, 2, 4 or 8); 8 / wpr rows per CTA
+// ==== THE GEMV CORE: weight tiles staged in shared memory, a thread's x reused across up to 4 rows ===========
+//
+// A CTA of NT threads takes a tile of up to 4 row sets (RR) of G = NT / TPG rows. The tile's bytes come from
+// global memory into shared memory as 16-byte streaming loads, every load of a thread issued before its first
+// store, each byte keeping its address mod 16 (a block keeps its alignment). Thread (g, l) = (tid / TPG,
+// tid % TPG) takes parts l, l + TPG, ... of row g of every row set: it loads the part's x (float4 reads, L1)
+// once and applies it to up to 4 rows with independent accumulators. The TPG partial sums of a row meet in a
+// fixed order (xor butterfly in a warp, then the warps in order): results are deterministic.
+//
+// Format structs V*: QK, BB, NP (parts per block, a power of 2), EPP (elements per part), G (scale groups per
+// part), HAS_B (a b * sum(x) term per group), IS_FLOAT, run(p, r) (block offset of the part's run r of 4
+// consecutive elements) and dot(o, p, xv, sx): part p of the block at shared-memory offset o against xv (the
+// part's x in run order); sx[G] the x sums per group (HAS_B formats). Integer codes become floats exactly: the
+// code's bits under the exponent of 2^23 (one LOP3 or PRMT), then one FADD or FFMA removes 2^23 (and the code
+// offset); a code at bit 4j is scaled back by 16^-j inside that FFMA, so no shift is needed.
+
+#define MAGIC_U 0x4B000000u
+
+__device__ __forceinline__ u32 sm_u16(int o) { return *(const u16*)(SMEM + o); }
+__device__ __forceinline__ u32 sm_u32(int o) { return *(const u32*)(SMEM + o); }
+__device__ __forceinline__ u32 sm_u32_a2(int o) { return sm_u16(o) | (sm_u16(o + 2) << 16); }
+
+// 8 bytes at a 2-aligned shared offset: three aligned words, realigned by PRMT (reads up to 4 bytes past)
+__device__ __forceinline__ void sm_u64_a2(int o, u32& w0, u32& w1) {
+    const int a = o & ~3;
+    const u32 sel = (o & 2) ? 0x5432u : 0x3210u;
+    const u32 A0 = sm_u32(a), A1 = sm_u32(a + 4), A2 = sm_u32(a + 8);
+    w0 = __byte_perm(A0, A1, sel);
+    w1 = __byte_perm(A1, A2, sel);
+}
+
+__device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }
+
+// mg is MAGIC_U passed in a register (a function argument the compiler cannot fold): then the mask is LOP3's
+// one immediate and `mg | (w & mask)` is a single instruction.
+// the 4-bit code at bits 4j..4j+3 of w (j <= 3) minus off: (2^23 + c 16^j) 16^-j - (2^(23-4j) + off), exact
+__device__ __forceinline__ float nib(u32 w, int j, float off, u32 mg) {
+    return fmaf(__uint_as_float(mg | (w & (0xFu << (4 * j)))), pow2f(-4 * j), -(pow2f(23 - 4 * j) + off));
+}
+
+// the 2-bit code at bits 2j, 2j+1 of w (j <= 7) minus off, exact likewise
+__device__ __forceinline__ float crumb(u32 w, int j, float off, u32 mg) {
+    return fmaf(__uint_as_float(mg | (w & (3u << (2 * j)))), pow2f(-2 * j), -(pow2f(23 - 2 * j) + off));
+}
+
+// byte k of w (unsigned) minus off, exact
+__device__ __forceinline__ float ubyte(u32 w, int k, float off) {
+    return __uint_as_float(__byte_perm(w, MAGIC_U, (u32)k | 0x7650u)) - (MAGIC_F + off);
+}
+
+// kvalues_iq4nl + 128 for the 4 nibbles in bits 0..15 of sel (result byte i <- nibble i)
+__device__ __forceinline__ u32 iq4_lut4b(u32 sel) {
+    const u32 lo = __byte_perm(0x3F2D1801u, 0x766A5D4Fu, sel & 0x7777u);
+    const u32 hi = __byte_perm(0xA6998D81u, 0xF1D9C5B5u, sel & 0x7777u);
+    return __byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
+}
+
+// get_scale_min_k4 for j = 2c and 2c + 1 of the 12 packed bytes at shared offset o (4-aligned), without branches:
+// the four 6-bit (scale, min) pairs of j < 4 and of j >= 4 are assembled bytewise, c picks one, then the byte.
+__device__ __forceinline__ void k_scales2(int o, int c, int& sc0, int& m0, int& sc1, int& m1) {
+    const u32 q0 = sm_u32(o), q1 = sm_u32(o + 4), q2 = sm_u32(o + 8);
+    const bool hi = c >= 2;
+    const u32 SC = hi ? (q2 & 0x0F0F0F0Fu) | ((q0 >> 2) & 0x30303030u) : q0 & 0x3F3F3F3Fu;
+    const u32 M = hi ? ((q2 >> 4) & 0x0F0F0F0Fu) | ((q1 >> 2) & 0x30303030u) : q1 & 0x3F3F3F3Fu;
+    const int sh = 16 * (c & 1);
+    sc0 = (int)((SC >> sh) & 0xFFu);
+    sc1 = (int)((SC >> (sh + 8)) & 0xFFu);
+    m0 = (int)((M >> sh) & 0xFFu);
+    m1 = (int)((M >> (sh + 8)) & 0xFFu);
+}
+
+struct VQ2_0 {   // part: the 16 codes of one word (element k at bits 2k); v = (c - 1) d
+    enum { QK = 64, BB = 18, NP = 4, EPP = 16, G = 1, HAS_B = 0, IS_FLOAT = 0 };
+    __device__ static int run(int p, int r) { return 16 * p + 4 * r; }
+    __device__ static float dot(int o, int p, const float* xv, const float*, u32 mg) {
+        const u32 w = sm_u32_a2(o + 2 + 4 * p), h = w >> 16;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            s0 = fmaf(crumb(w, k, 1.0f, mg), xv[k], s0);
+            s1 = fmaf(crumb(h, k, 1.0f, mg), xv[8 + k], s1);
+        }
+        return h2f((u16)sm_u16(o)) * (s0 + s1);
+    }
 };
+
+struct VQ8_0 {   // part: 16 of the block's 32 int8 (block 34 B, 2-aligned); v = q d
+    enum { QK = 32, BB = 34, NP = 2, EPP = 16, G = 1, HAS_B = 0, IS_FLOAT = 0 };
+    __device__ static int run(int p, int r) { return 16 * p + 4 * r; }
+    __device__ static float dot(int o, int p, const float* xv, const float*, u32 mg) {
+        const int a = o + 2 + 16 * p, a4 = a & ~3;
+        const u32 sel = (a & 2) ? 0x5432u : 0x3210u;
+        u32 A[5];
+#pragma unroll
+        for (int k = 0; k < 5; k++) A[k] = sm_u32(a4 + 4 * k);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 w = __byte_perm(A[k], A[k + 1], sel) ^ 0x80808080u;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (k & 1) s1 = fmaf(ubyte(w, i, 128.0f), xv[4 * k + i], s1);
+                else s0 = fmaf(ubyte(w, i, 128.0f), xv[4 * k + i], s0);
+            }
+        }
+        return h2f((u16)sm_u16(o)) * (s0 + s1);
+    }
+};
+
+struct VQ4_K {   // parts as FQ4_K: 16 qs bytes = low nibbles (group 0) and high nibbles (group 1)
+    enum { QK = 256, BB = 144, NP = 8, EPP = 32, G = 2, HAS_B = 1, IS_FLOAT = 0 };
+    __device__ static int run(int p, int r) { return FQ4_K::run(p, r); }
+    __device__ static float dot(int o, int p, const float* xv, const float* sx, u32 mg) {
+        const int c = p >> 1;
+        const uint4 v = *(const uint4*)(SMEM + o + 16 + 32 * c + 16 * (p & 1));
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 a = w[k], b = w[k] >> 16;
+            s0 = fmaf(nib(a, 0, 0.0f, mg), xv[4 * k], s0);
+            s1 = fmaf(nib(a, 1, 0.0f, mg), xv[16 + 4 * k], s1);
+            s0 = fmaf(nib(a, 2, 0.0f, mg), xv[4 * k + 1], s0);
+            s1 = fmaf(nib(a, 3, 0.0f, mg), xv[16 + 4 * k + 1], s1);
+            s0 = fmaf(nib(b, 0, 0.0f, mg), xv[4 * k + 2], s0);
+            s1 = fmaf(nib(b, 1, 0.0f, mg), xv[16 + 4 * k + 2], s1);
+            s0 = fmaf(nib(b, 2, 0.0f, mg), xv[4 * k + 3], s0);
+            s1 = fmaf(nib(b, 3, 0.0f, mg), xv[16 + 4 * k + 3], s1);
+        }
+        const float d = h2f((u16)sm_u16(o)), dmin = h2f((u16)sm_u16(o + 2));
+        int sc0, m0, sc1, m1;
+        k_scales2(o + 4, c, sc0, m0, sc1, m1);
+        return ((d * (float)sc0) * s0 + (-(dmin * (float)m0)) * sx[0]) +
+               ((d * (float)sc1) * s1 + (-(dmin * (float)m1)) * sx[1]);
+    }
+};
+
+struct VQ5_K {   // parts as Q4_K; bit 2c (low nibbles) or 2c+1 (high nibbles) of qh[16 half + byte] on top
+    enum { QK = 256, BB = 176, NP = 8, EPP = 32, G = 2, HAS_B = 1, IS_FLOAT = 0 };
+    __device__ static int run(int p, int r) { return FQ5_K::run(p, r); }
+    __device__ static float dot(int o, int p, const float* xv, const float* sx, u32 mg) {
+        const int c = p >> 1, hh = p & 1;
+        const uint4 v = *(const uint4*)(SMEM + o + 48 + 32 * c + 16 * hh);
+        const uint4 hv = *(const uint4*)(SMEM + o + 16 + 16 * hh);
+        const u32 w[4] = {v.x, v.y, v.z, v.w}, h[4] = {hv.x, hv.y, hv.z, hv.w};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 lo = (w[k] & 0x0F0F0F0Fu) | (((h[k] >> (2 * c)) & 0x01010101u) << 4);
+            const u32 hi = ((w[k] >> 4) & 0x0F0F0F0Fu) | (((h[k] >> (2 * c + 1)) & 0x01010101u) << 4);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                s0 = fmaf(ubyte(lo, i, 0.0f), xv[4 * k + i], s0);
+                s1 = fmaf(ubyte(hi, i, 0.0f), xv[16 + 4 * k + i], s1);
+            }
+        }
+        const float d = h2f((u16)sm_u16(o)), dmin = h2f((u16)sm_u16(o + 2));
+        int sc0, m0, sc1, m1;
+        k_scales2(o + 4, c, sc0, m0, sc1, m1);
+        return ((d * (float)sc0) * s0 + (-(dmin * (float)m0)) * sx[0]) +
+               ((d * (float)sc1) * s1 + (-(dmin * (float)m1)) * sx[1]);
+    }
+};
+
+struct VQ6_K {   // parts as FQ6_K (block 210 B, 2-aligned); 4 bytes of 6-bit codes assembled per LOP, -32
+    enum { QK = 256, BB = 210, NP = 8, EPP = 32, G = 4, HAS_B = 0, IS_FLOAT = 0 };
+    __device__ static int run(int p, int r) { return FQ6_K::run(p, r); }
+    __device__ static float dot(int o, int p, const float* xv, const float*, u32 mg) {
+        const int h = p >> 2, l0 = 8 * (p & 3);
+        u32 A0, A1, B0, B1, H0, H1;
+        sm_u64_a2(o + 64 * h + l0, A0, A1);
+        sm_u64_a2(o + 64 * h + 32 + l0, B0, B1);
+        sm_u64_a2(o + 128 + 32 * h + l0, H0, H1);
+        const u32 ql[2][2] = {{A0, A1}, {B0, B1}}, qh[2] = {H0, H1};
+        const float d = h2f((u16)sm_u16(o + 208));
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                const u32 q = ((ql[k & 1][t] >> (4 * (k >> 1))) & 0x0F0F0F0Fu) | (((qh[t] >> (2 * k)) & 0x03030303u) << 4);
+#pragma unroll
+                for (int i = 0; i < 4; i++) s = fmaf(ubyte(q, i, 32.0f), xv[8 * k + 4 * t + i], s);
+            }
+            acc += (d * (float)(i8)SMEM[o + 192 + 8 * h + 2 * k + (l0 >> 4)]) * s;
+        }
+        return acc;
+    }
+};
+
+struct VIQ4_XS {  // part = sub-block of 32; the table lookups take the nibbles in their natural order
+    enum { QK = 256, BB = 136, NP = 8, EPP = 32, G = 1, HAS_B = 0, IS_FLOAT = 0 };
+    __device__ static int run(int ib, int r) { return 32 * ib + 4 * r; }
+    __device__ static float dot(int o, int ib, const float* xv, const float*, u32) {
+        const uint2 v0 = *(const uint2*)(SMEM + o + 8 + 16 * ib), v1 = *(const uint2*)(SMEM + o + 16 + 16 * ib);
+        const u32 w[4] = {v0.x, v0.y, v1.x, v1.y};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            // nibbles of bytes 0, 1 (then 2, 3): low = element 4k+i, high = element 16+4k+i
+            const u32 r0 = iq4_lut4b(w[k]), r1 = iq4_lut4b(w[k] >> 16);
+            s0 = fmaf(ubyte(r0, 0, 128.0f), xv[4 * k], s0);
+            s1 = fmaf(ubyte(r0, 1, 128.0f), xv[16 + 4 * k], s1);
+            s0 = fmaf(ubyte(r0, 2, 128.0f), xv[4 * k + 1], s0);
+            s1 = fmaf(ubyte(r0, 3, 128.0f), xv[16 + 4 * k + 1], s1);
+            s0 = fmaf(ubyte(r1, 0, 128.0f), xv[4 * k + 2], s0);
+            s1 = fmaf(ubyte(r1, 1, 128.0f), xv[16 + 4 * k + 2], s1);
+            s0 = fmaf(ubyte(r1, 2, 128.0f), xv[4 * k + 3], s0);
+            s1 = fmaf(ubyte(r1, 3, 128.0f), xv[16 + 4 * k + 3], s1);
+        }
+        const int sh = (int)sm_u16(o + 2);
+        const int ls = ((SMEM[o + 4 + (ib >> 1)] >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        return (h2f((u16)sm_u16(o)) * (float)(ls - 32)) * (s0 + s1);
+    }
+};
+
+template <int T>
+struct VF {      // float rows padded to 8 elements: a "block" of 8, one part
+    enum { QK = 8, BB = T == T_F32 ? 32 : 16, NP = 1, EPP = 8, G = 1, HAS_B = 0, IS_FLOAT = 1 };
+    __device__ static int run(int, int r) { return 4 * r; }
+    __device__ static float dot(int o, int, const float* xv, const float*, u32) {
+        float v[8];
+        float8<T>(SMEM + o, v);
+        return (v[0] * xv[0] + v[1] * xv[1] + v[2] * xv[2] + v[3] * xv[3]) +
+               (v[4] * xv[4] + v[5] * xv[5] + v[6] * xv[6] + v[7] * xv[7]);
+    }
+};
+
+template <class F>
+struct VW {      // the rarer formats: the block decoder above, reading shared memory
+    enum { QK = F::QK, BB = F::BB, NP = F::NP, EPP = F::EPP, G = F::G, HAS_B = F::HAS_B, IS_FLOAT = 0 };
+    __device__ static int run(int p, int r) { return F::run(p, r); }
+    __device__ static float dot(int o, int p, const float* xv, const float* sx, u32 mg) {
+        float q[F::EPP], a[F::G], b[F::G];
+        F::decode(SMEM + o, p, q, a, b);
+        constexpr int RPG = F::EPP / 4 / F::G;
+        float acc = 0.0f;
+#pragma unroll
+        for (int g = 0; g < F::G; g++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int rr = 0; rr < RPG; rr++) {
+                const int r = g * RPG + rr;
+                s += q[4 * r] * xv[4 * r] + q[4 * r + 1] * xv[4 * r + 1] + q[4 * r + 2] * xv[4 * r + 2] +
+                     q[4 * r + 3] * xv[4 * r + 3];
+            }
+            acc += F::HAS_B ? a[g] * s + b[g] * sx[g] : a[g] * s;
+        }
+        return acc;
+    }
+};
+
+// Rows at shared offsets o0..o3 (-1: no row) against x: this thread's share, parts l, l + tpg, ... One call per
+// CTA and format (not inlined: the 16 formats would otherwise multiply the kernels' code).
+template <class V>
+__device__ __noinline__ float4 group_dot(int o0, int o1, int o2, int o3, const float* __restrict__ x, int n_in, int l,
+                                         int tpg, u32 mg) {
+    const int nparts = V::IS_FLOAT ? (n_in + 7) >> 3 : n_in / V::QK * V::NP;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int i = l; i < nparts; i += tpg) {
+        const int blk = i / V::NP, p = i % V::NP;
+        const float* xb = x + blk * V::QK;
+        float xv[V::EPP], sx[V::G];
+        if (V::IS_FLOAT && 8 * blk + 8 > n_in) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) xv[e] = 8 * blk + e < n_in ? xb[e] : 0.0f;
+        } else {
+#pragma unroll
+            for (int r = 0; r < V::EPP / 4; r++) {
+                const float4 t = *(const float4*)(xb + V::run(p, r));
+                xv[4 * r] = t.x;
+                xv[4 * r + 1] = t.y;
+                xv[4 * r + 2] = t.z;
+                xv[4 * r + 3] = t.w;
+            }
+        }
+        if (V::HAS_B) {
+            constexpr int RPG = V::EPP / 4 / V::G;
+#pragma unroll
+            for (int g = 0; g < V::G; g++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int rr = 0; rr < RPG; rr++) {
+                    const int r = g * RPG + rr;
+                    s += (xv[4 * r] + xv[4 * r + 1]) + (xv[4 * r + 2] + xv[4 * r + 3]);
+                }
+                sx[g] = s;
+            }
+        }
+        const int bo = blk * V::BB;
+        if (o0 >= 0) a0 += V::dot(o0 + bo, p, xv, sx, mg);
+        if (o1 >= 0) a1 += V::dot(o1 + bo, p, xv, sx, mg);
+        if (o2 >= 0) a2 += V::dot(o2 + bo, p, xv, sx, mg);
+        if (o3 >= 0) a3 += V::dot(o3 + bo, p, xv, sx, mg);
+    }
+    float4 r;
+    r.x = a0;
+    r.y = a1;
+    r.z = a2;
+    r.w = a3;
+    return r;
+}
+
+__device__ __forceinline__ float4 dot_rows(int type, int o0, int o1, int o2, int o3, const float* x, int n_in, int l,
+                                           int tpg) {
+    const u32 mg = MAGIC_U | ((u32)n_in & 0x80000000u);    // MAGIC_U (n_in > 0), but not a compile-time constant
+    switch (type) {
+        case T_F32: return group_dot<VF<T_F32>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_F16: return group_dot<VF<T_F16>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_BF16: return group_dot<VF<T_BF16>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q4_0: return group_dot<VW<FQ4_0>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q4_1: return group_dot<VW<FQ4_1>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q5_0: return group_dot<VW<FQ5_0>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q5_1: return group_dot<VW<FQ5_1>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q8_0: return group_dot<VQ8_0>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q2_0: return group_dot<VQ2_0>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q2_K: return group_dot<VW<FQ2_K>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q3_K: return group_dot<VW<FQ3_K>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q4_K: return group_dot<VQ4_K>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q5_K: return group_dot<VQ5_K>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_Q6_K: return group_dot<VQ6_K>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_IQ4_NL: return group_dot<VW<FIQ4_NL>>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+        case T_IQ4_XS: return group_dot<VIQ4_XS>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
+    }
+    float4 r;                           // an unknown type poisons the output instead of passing silently
+    r.x = r.y = r.z = r.w = __int_as_float(0x7fc00000);
+    return r;
+}
+
+// ---- staging: up to 4 byte ranges of global memory into shared memory --------------------------------------
+
+#define STAGE_BATCH 12      // 16-byte loads in flight per thread (48 KB per 256-thread CTA)
+
+struct Ranges {
+    const u8* src[4];   // global start of each range (any alignment)
+    int n[4];           // bytes (0: unused)
+    int dst[4];         // 16-aligned shared offset of the range's first chunk; src[k] lands at dst[k] + (src[k] & 15)
+};
+
+__device__ __forceinline__ int chunks16(const u8* s, int n) {
+    if (n <= 0) return 0;
+    const unsigned long long a = (unsigned long long)s & ~15ull, b = ((unsigned long long)s + n + 15) & ~15ull;
+    return (int)((b - a) >> 4);
+}
+
+// shared offset of src[k]'s byte 0, and the 16-aligned end of range k (where the next one may start)
+__device__ __forceinline__ int range_off(const Ranges& R, int k) { return R.dst[k] + (int)((unsigned long long)R.src[k] & 15); }
+__device__ __forceinline__ int range_end(const Ranges& R, int k) { return R.dst[k] + 16 * chunks16(R.src[k], R.n[k]); }
+
+__device__ __forceinline__ void stage(const Ranges& R) {
+    const int c0 = chunks16(R.src[0], R.n[0]), c1 = chunks16(R.src[1], R.n[1]), c2 = chunks16(R.src[2], R.n[2]),
+              c3 = chunks16(R.src[3], R.n[3]);
+    const int p1 = c0, p2 = p1 + c1, p3 = p2 + c2, total = p3 + c3;
+    const int nt = blockDim.x;
+    for (int base = threadIdx.x; base < total; base += STAGE_BATCH * nt) {
+        uint4 v[STAGE_BATCH];
+#pragma unroll
+        for (int u = 0; u < STAGE_BATCH; u++) {
+            const int i = base + u * nt;
+            if (i < total) {
+                const int k = i < p1 ? 0 : i < p2 ? 1 : i < p3 ? 2 : 3;
+                const u8* s = k == 0 ? R.src[0] : k == 1 ? R.src[1] : k == 2 ? R.src[2] : R.src[3];
+                const int j = i - (k == 0 ? 0 : k == 1 ? p1 : k == 2 ? p2 : p3);
+                v[u] = ld_stream16((const u8*)((unsigned long long)s & ~15ull) + 16 * j);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < STAGE_BATCH; u++) {
+            const int i = base + u * nt;
+            if (i < total) {
+                const int k = i < p1 ? 0 : i < p2 ? 1 : i < p3 ? 2 : 3;
+                const int j = i - (k == 0 ? 0 : k == 1 ? p1 : k == 2 ? p2 : p3);
+                const int d = k == 0 ? R.dst[0] : k == 1 ? R.dst[1] : k == 2 ? R.dst[2] : R.dst[3];
+                *(uint4*)(SMEM + d + 16 * j) = v[u];
+            }
+        }
+    }
+}
+
+// ---- a row group's partial sums -> the group's sums (fixed order) ---------------------------------------------
+
+// Every thread of each TPG-thread group passes its partials; every thread gets its group's sums. red: shared,
+// 4 floats per warp of the CTA. Called by the whole CTA (barriers inside when tpg > 32).
+__device__ __forceinline__ float4 group_sum(float4 v, int tpg, float* red) {
+    const int lim = tpg < 32 ? tpg : 32;
+    for (int o = lim >> 1; o > 0; o >>= 1) {
+        v.x += __shfl_xor_sync(FULL_MASK, v.x, o);
+        v.y += __shfl_xor_sync(FULL_MASK, v.y, o);
+        v.z += __shfl_xor_sync(FULL_MASK, v.z, o);
+        v.w += __shfl_xor_sync(FULL_MASK, v.w, o);
+    }
+    if (tpg > 32) {
+        const int warp = threadIdx.x >> 5, nw = tpg >> 5, w0 = (threadIdx.x / tpg) * nw;
+        if ((threadIdx.x & 31) == 0) {
+            red[4 * warp] = v.x;
+            red[4 * warp + 1] = v.y;
+            red[4 * warp + 2] = v.z;
+            red[4 * warp + 3] = v.w;
+        }
+        __syncthreads();
+        v.x = v.y = v.z = v.w = 0.0f;
+        for (int w = 0; w < nw; w++) {
+            v.x += red[4 * (w0 + w)];
+            v.y += red[4 * (w0 + w) + 1];
+            v.z += red[4 * (w0 + w) + 2];
+            v.w += red[4 * (w0 + w) + 3];
+        }
+        __syncthreads();
+    }
+    return v;
+}
+
+__device__ __forceinline__ float f4get(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// The geometry word of a job (gemv.py, geom()): bits 0-3 log2(TPG), bits 4-6 rows per thread (1, 2 or 4).
+__device__ __forceinline__ int geom_tpg(int geom) { return 1 << (geom & 15); }
+__device__ __forceinline__ int geom_rr(int geom) { return (geom >> 4) & 7; }
