@@ -16,7 +16,7 @@ def _tokens(s: str) -> list[int]:
 def cmd_generate(a) -> int:
     import uvloop
 
-    from strata.engine import Engine, EngineError
+    from strata.engine import Engine, EngineError, HostConfig
     from strata.sampling import SamplingParams
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                             max_tokens=a.max_tokens, stop_at_eos=not a.ignore_eos)
@@ -25,7 +25,8 @@ def cmd_generate(a) -> int:
         print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     async def run() -> None:
-        async with await Engine.open(a.model, backend=a.backend, trace=a.trace) as eng:
+        host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts)
+        async with await Engine.open(a.model, backend=a.backend, host=host, trace=a.trace) as eng:
             async for c in eng.generate(a.prompt, params, progress=progress):
                 sys.stdout.write(c.text)
                 sys.stdout.flush()
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     g.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--vram-budget-gib", type=float, default=24.0, help="CUDA: VRAM the engine may use (default 24)")
+    g.add_argument("--experts", default="auto", choices=["auto", "vram", "host"],
+                   help="CUDA: every expert in VRAM, or experts in host memory behind a VRAM cache; auto: vram "
+                        "when the budget holds every weight (default)")
     g.add_argument("--trace", metavar="FILE", help="write per-token latency traces here (JSON lines)")
     g.set_defaults(fn=cmd_generate)
 

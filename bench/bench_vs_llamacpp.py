@@ -12,7 +12,19 @@ repeats with a warm-up excluded:
                       --long-ctx prompt (context 8K)
 Strata's bytes moved per token come from `strata.inspect.per_token_bytes`; the floor they imply uses the host
 memory read bandwidth measured in the same run (numpy, all threads). llama.cpp is llama-cpp-python 0.3.36 (its
-sdist vendors llama.cpp with qwen4exp); the CPU configuration runs it through its Python bindings.
+sdist vendors llama.cpp with qwen4exp); the CPU configuration runs it through its Python bindings, the GPU
+configurations through that llama.cpp's own `llama-bench` built for CUDA (--llama-bench PATH; the binary is not in
+the repository). Peak memory of every child: its VmHWM (host) and the device's memory in use (NVML), polled while
+it runs.
+
+GPU configurations (strata: HostConfig.experts):
+    vram      every weight in VRAM: strata's whole-token graph; llama.cpp -ngl 99
+    budget24  strata: a 24 GiB VRAM budget (dense weights + expert cache), every expert preloaded into host memory,
+              a warm-up request that fills the cache first; llama.cpp: -ngl 99 with --n-cpu-moe N (the experts of
+              the first N layers in host memory), N from a sweep (--ncmoe), the fastest whose device memory stayed
+              within 24 GiB
+Strata processes prompts token by token, so its prefill costs what its decode costs; --skip-strata names the
+measurements not run for it (each one's time is printed instead, estimated from its measured decode).
 """
 
 from __future__ import annotations
@@ -50,17 +62,24 @@ def tokens_for(n: int, n_vocab: int, eos: int, seed: int) -> list[int]:
 
 
 # ---- the two engines, each in a child process ------------------------------------------------------------------
-def strata_child(model: str, backend: str, kind: str, n_prompt: int, n_decode: int, vram_gib: float) -> dict:
+def strata_child(model: str, backend: str, kind: str, n_prompt: int, n_decode: int, vram_gib: float,
+                 experts: str = "auto", preload: bool = False, warm_tokens: int = 2) -> dict:
     import asyncio
     from strata.engine import Engine, HostConfig
     from strata.sampling import SamplingParams
 
     async def go():
-        eng = await Engine.open(model, backend=backend,
-                                host=HostConfig(vram_budget_bytes=int(vram_gib * (1 << 30))))
+        max_ctx = -(-(n_prompt + n_decode + 8) // 1024) * 1024
+        eng = await Engine.open(model, backend=backend, host=HostConfig(
+            vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx))
         cfg = eng.cfg
+        if preload:                      # every expert blob into the host store (the reads run on the I/O pool)
+            s = eng.scheduler
+            for il in range(cfg.n_layer):
+                for f in [s.store.fetch(il, x) for x in range(cfg.n_expert)]:
+                    await asyncio.wrap_future(f)
         prompt = tokens_for(n_prompt, cfg.n_vocab, cfg.eos_id or -1, 1)
-        warm = SamplingParams(max_tokens=2, stop_at_eos=False)
+        warm = SamplingParams(max_tokens=warm_tokens, stop_at_eos=False)
         async for _ in eng.generate(tokens_for(4, cfg.n_vocab, cfg.eos_id or -1, 2), warm):
             pass
         stamps, t_prompt_done = [], None
@@ -105,7 +124,8 @@ def llama_child(model: str, kind: str, n_prompt: int, n_decode: int, threads: in
 
 
 def child_main(spec: dict) -> None:
-    fn = strata_child if spec.pop("engine") == "strata" else llama_child
+    engine = spec.pop("engine")
+    fn = strata_child if engine == "strata" else gpu_memory_floors if engine == "floors" else llama_child
     res = fn(**spec)
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so it would include the parent's peak
     hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
@@ -113,13 +133,107 @@ def child_main(spec: dict) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
+class Peak:
+    """Polls a child while it runs: its VmHWM (peak resident host memory) and the device memory in use (NVML, the
+    whole GPU: nothing else runs on it during the bench)."""
+
+    def __init__(self, pid: int, period: float = 0.1):
+        import threading
+        self.pid, self.host_kib, self.dev_bytes = pid, 0, 0
+        self._nvml = None
+        try:
+            import pynvml                                   # nvidia-ml-py; absent on CPU machines
+            pynvml.nvmlInit()
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+        except Exception:
+            pass
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._t.start()
+
+    def _run(self, period: float) -> None:
+        while not self._stop.is_set():
+            try:
+                for ln in open(f"/proc/{self.pid}/status"):
+                    if ln.startswith("VmHWM:"):
+                        self.host_kib = max(self.host_kib, int(ln.split()[1]))
+            except OSError:
+                pass
+            if self._nvml:
+                nv, h = self._nvml
+                self.dev_bytes = max(self.dev_bytes, int(nv.nvmlDeviceGetMemoryInfo(h).used))
+            self._stop.wait(period)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._t.join()
+        return {"peak_rss_gib": self.host_kib / (1 << 20), "peak_dev_gib": self.dev_bytes / (1 << 30)}
+
+
+def run_polled(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str, dict]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = Peak(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\ntimed out after {timeout:.0f} s"
+    return proc.returncode, out, err, peak.stop()
+
+
 def run_child(spec: dict, timeout: float) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                       timeout=timeout)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if r.returncode != 0 or line is None:
-        return {"error": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]}
-    return json.loads(line[7:])
+    rc, out, err, peak = run_polled([sys.executable, __file__, "--child", json.dumps(spec)], timeout)
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if rc != 0 or line is None:
+        return {"error": (err or out).strip().splitlines()[-1:] or ["failed"]}
+    res = json.loads(line[7:])
+    res["peak_rss_gib"] = max(res["peak_rss_gib"], peak["peak_rss_gib"])
+    res["peak_dev_gib"] = peak["peak_dev_gib"]
+    return res
+
+
+def llama_bench(binary: str, model: str, args: list[str], timeout: float) -> tuple[list[dict], dict]:
+    """One llama-bench run (-o json): per test {n_prompt, n_gen, n_depth, tok_s (median of the repetitions)}."""
+    cmd = [binary, "-m", model, "-o", "json", *args]
+    print("# " + " ".join(cmd[:1] + ["-m", Path(model).name] + cmd[3:]), flush=True)
+    rc, out, err, peak = run_polled(cmd, timeout)
+    if rc != 0:
+        raise RuntimeError(f"llama-bench failed ({rc}): {err.strip().splitlines()[-3:]}")
+    res = [{"n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "n_depth": r.get("n_depth", 0),
+            "tok_s": float(np.median(r["samples_ts"])), "n_cpu_moe": r.get("n_cpu_moe", 0)}
+           for r in json.loads(out)]
+    return res, peak
+
+
+def gpu_memory_floors() -> dict:
+    """HBM (device copy) and PCIe host-to-device (pinned) bandwidth in GB/s, measured now with cuda-bindings."""
+    from strata.cuda import driver as drv
+    from strata.cuda.driver import check, cu
+    dev = drv.Device.open()
+    n = 1 << 30
+    a = int(check(cu.cuMemAlloc(n), "cuMemAlloc"))
+    b = int(check(cu.cuMemAlloc(n), "cuMemAlloc"))
+    h = drv.HostBuffer(n // 4, what="bandwidth probe")
+    st = drv.Stream()
+    e0, e1 = drv.Event(), drv.Event()
+
+    def timed(fn, reps=5) -> float:
+        ts = []
+        for _ in range(reps + 1):
+            e0.record(st)
+            fn()
+            e1.record(st)
+            e1.synchronize("bandwidth probe")
+            ts.append(e1.elapsed_ms(e0) / 1e3)
+        return float(np.median(ts[1:]))
+    hbm = 2 * n / timed(lambda: check(cu.cuMemcpyDtoDAsync(b, a, n, st.handle), "cuMemcpyDtoDAsync")) / 1e9
+    pcie = (n // 4) / timed(lambda: drv.memcpy_htod_async(a, h.ptr, n // 4, st, "probe")) / 1e9
+    for p in (a, b):
+        cu.cuMemFree(p)
+    h.free()
+    del dev
+    return {"hbm": hbm, "pcie": pcie}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -135,6 +249,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="repeats of each prefill measurement (median)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--llama-bench", help="GPU configurations: llama.cpp's llama-bench binary built for CUDA")
+    p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
+    p.add_argument("--skip-strata", default="", help="comma list of measurement labels not run for strata")
     a = p.parse_args()
     if a.child:
         return child_main(json.loads(a.child))
@@ -157,9 +274,11 @@ def main() -> None:
     print(f"# host read bandwidth {bw:.1f} GB/s; strata bytes/token {ptb['total'] / 2**20:.1f} MiB -> floor "
           f"{ptb['total'] / bw / 1e6:.2f} ms/token from host memory", flush=True)
 
-    rows = []
     jobs = [("decode ctx 0", "decode", 1), (f"decode ctx {a.long_ctx}", "decode", a.long_ctx)]
     jobs += [(f"prefill {n}", "prefill", int(n)) for n in a.prefill.split(",")]
+    if a.config != "cpu":
+        return gpu_run(a, model, ptb, bw, jobs)
+    rows = []
     for label, kind, n in jobs:
         reps = 1 if kind == "decode" else a.repeats
         res = {}
@@ -189,6 +308,83 @@ def main() -> None:
             ts, tl = s["prefill_tok_s"], ll["prefill_tok_s"]
         print(f"| {label} | {ts:.2f} tok/s | {tl:.2f} tok/s | {ts / tl:.3f} | {s['peak_rss_gib']:.2f} GiB | "
               f"{ll['peak_rss_gib']:.2f} GiB |", flush=True)
+
+
+def gpu_run(a, model: str, ptb: dict, host_bw: float, jobs: list) -> None:
+    """The vram and budget24 configurations: strata (children) next to llama-bench, one table."""
+    if not a.llama_bench:
+        sys.exit("the GPU configurations need --llama-bench PATH (llama.cpp's llama-bench built for CUDA)")
+    fl = run_child({"engine": "floors"}, 300)
+    if "error" in fl:
+        sys.exit(f"measuring the GPU's bandwidths failed: {fl['error']}")
+    routed = ptb.get("routed experts", 0)
+    print(f"# HBM copy {fl['hbm']:.0f} GB/s, PCIe host->device (pinned) {fl['pcie']:.1f} GB/s, host read "
+          f"{host_bw:.1f} GB/s; bytes/token {ptb['total'] / 1e9:.3f} GB -> HBM floor "
+          f"{ptb['total'] / fl['hbm'] / 1e6:.3f} ms/token; routed experts {routed / 1e6:.0f} MB/token -> "
+          f"{routed / fl['pcie'] / 1e6:.2f} ms over PCIe or {routed / host_bw / 1e6:.2f} ms from host memory if "
+          f"every one missed the VRAM cache", flush=True)
+    budget = a.config == "budget24"
+    base = ["-ngl", "99", "-t", str(a.threads)]
+    if budget:          # the sweep: the fastest --n-cpu-moe whose device memory stayed within 24 GiB
+        sweep = []
+        for n in [int(x) for x in a.ncmoe.split(",")]:
+            try:
+                res, peak = llama_bench(a.llama_bench, model, base + ["-ncmoe", str(n), "-p", "0", "-n",
+                                                                      str(a.decode), "-r", "2"], a.timeout)
+            except RuntimeError as e:
+                print(f"# --n-cpu-moe {n}: {e}", flush=True)
+                continue
+            sweep.append((n, res[0]["tok_s"], peak["peak_dev_gib"]))
+            print(f"# --n-cpu-moe {n}: decode {res[0]['tok_s']:.2f} tok/s, device memory {peak['peak_dev_gib']:.2f} "
+                  f"GiB", flush=True)
+        fits = [x for x in sweep if x[2] <= 24.0]
+        if not fits:
+            sys.exit("no --n-cpu-moe setting kept llama.cpp within 24 GiB")
+        best = max(fits, key=lambda x: x[1])
+        print(f"# llama.cpp setting: --n-cpu-moe {best[0]} ({best[2]:.2f} GiB)", flush=True)
+        base += ["-ncmoe", str(best[0])]
+    ll: dict[str, tuple[float, dict]] = {}
+    pre = [n for _, kind, n in jobs if kind == "prefill"]
+    res, peak = llama_bench(a.llama_bench, model, base + ["-p", ",".join(map(str, pre)), "-n", "0", "-r",
+                                                          str(a.repeats)], a.timeout)
+    for r in res:
+        ll[f"prefill {r['n_prompt']}"] = (r["tok_s"], peak)
+    depths = sorted({0 if n == 1 else n for _, kind, n in jobs if kind == "decode"})
+    res, peak = llama_bench(a.llama_bench, model, base + ["-p", "0", "-n", str(a.decode), "-d",
+                                                          ",".join(map(str, depths)), "-r", str(a.repeats)],
+                            a.timeout)
+    for r in res:
+        ll[f"decode ctx {r['n_depth']}"] = (r["tok_s"], peak)
+
+    skip = {x.strip() for x in a.skip_strata.split(",") if x.strip()}
+    strata_spec = dict(engine="strata", model=model, backend="cuda", vram_gib=24.0 if budget else 130.0,
+                       experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2)
+    print("| measurement | strata tok/s | llama.cpp tok/s | strata/llama.cpp | strata peak host / device GiB | "
+          "llama.cpp peak host / device GiB |")
+    print("|---|---|---|---|---|---|", flush=True)
+    decode_ms = None
+    for label, kind, n in jobs:
+        tl, lpeak = ll.get(label, (float("nan"), {"peak_rss_gib": float("nan"), "peak_dev_gib": float("nan")}))
+        lmem = f"{lpeak['peak_rss_gib']:.2f} / {lpeak['peak_dev_gib']:.2f}"
+        if label in skip:
+            est = "" if decode_ms is None else f" (~{n * decode_ms / 1e3:.0f} s at the measured decode speed)"
+            print(f"| {label} | not run{est} | {tl:.2f} | - | - | {lmem} |", flush=True)
+            continue
+        reps = 1 if kind == "decode" or n > 1024 else a.repeats
+        runs = [run_child(dict(strata_spec, kind=kind, n_prompt=n, n_decode=a.decode), a.timeout)
+                for _ in range(reps)]
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            print(f"| {label} | error: {runs[0]['error']} | {tl:.2f} | - | - | {lmem} |", flush=True)
+            continue
+        if kind == "decode":
+            ms = float(np.median([r["decode_ms"] for r in ok]))
+            decode_ms = decode_ms or ms
+            ts = 1e3 / ms
+        else:
+            ts = float(np.median([r["prefill_tok_s"] for r in ok]))
+        smem = f"{max(r['peak_rss_gib'] for r in ok):.2f} / {max(r['peak_dev_gib'] for r in ok):.2f}"
+        print(f"| {label} | {ts:.2f} | {tl:.2f} | {ts / tl:.3f} | {smem} | {lmem} |", flush=True)
 
 
 if __name__ == "__main__":

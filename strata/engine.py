@@ -49,8 +49,15 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         return CpuBackend(model)
     if backend == "cuda":
         from strata.cuda.backend import CudaBackend  # lazily: cuda-bindings only where there is a GPU
-        # experts stay in host memory; the VRAM left after the dense weights becomes the expert cache
-        return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts="host",
+        experts = host.experts
+        if experts == "auto":          # everything but the PLE table (it stays on disk) fits the budget, with 2 GiB
+            need = sum(t.nbytes for n, t in model.file.tensors.items() if n != "per_layer_token_embd.weight")
+            budget = host.vram_budget_bytes
+            experts = "vram" if budget is not None and budget >= need + (2 << 30) else "host"
+        if experts not in ("vram", "host"):
+            raise ValueError(f"HostConfig.experts={experts!r}: choose 'auto', 'vram' or 'host'")
+        # experts="host": experts stay in host memory; the VRAM left after the dense weights is the expert cache
+        return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts, max_ctx=host.max_ctx,
                            doorbell_timeout_s=host.poll.timeout_s, log=lambda s: print(s, file=sys.stderr))
     raise ValueError(f"unknown backend '{backend}': choose 'cpu' or 'cuda'")
 

@@ -144,6 +144,44 @@ def test_partial_cache(case):
         be.close()
 
 
+@pytest.mark.parametrize("mode", ["vram", "host-cache"])
+def test_scheduler_over_cuda(case, mode):
+    """The real token loop (strata.host.scheduler) over the CUDA backend: with every expert in VRAM it runs the
+    whole-token graph; with a small cache its misses go to the CPU pool and to uploads straight from the pinned
+    blobs the backend allocated (CudaBackend.host_alloc). Logits against transformers, every position."""
+    import asyncio
+
+    from strata.host.scheduler import HostConfig, Scheduler
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the scheduler's paths")
+    if mode == "vram":
+        be = CudaBackend(model, experts="vram", max_ctx=128, log=print)
+    else:
+        probe = CudaBackend(model, experts="host", max_ctx=128, log=print)
+        budget = probe.A.total + 8 * probe.slot_bytes + (1 << 20)
+        probe.close()
+        be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, log=print)
+
+    async def go():
+        sched = Scheduler(model, be, HostConfig(vram_budget_bytes=1 << 40))
+        try:                                   # aclose closes the backend too
+            out = await sched.score(tokens)
+            stats = (sched.whole_token, sched.cache.uploads, sched.cache.hit_rate(),
+                     be.cells.nbytes if mode != "vram" else 0)
+            return out, stats
+        finally:
+            await sched.aclose()
+    out, (whole, uploads, hit_rate, pinned) = asyncio.run(go())
+    _check(f"{spec.name} scheduler {mode}", np.asarray(out), ref)
+    if mode == "vram":
+        assert whole
+    else:
+        print(f"uploads {uploads}, hit rate {hit_rate:.2f}, pinned blob cells {pinned / 2**20:.1f} MiB")
+        assert not whole and uploads > 0
+        assert pinned > 0, "no blob came from the backend's pinned cells"
+
+
 def test_stage_dump_matches_reference(case):
     """The C1 oracle: every stage of every layer against the numpy reference's dump (bisects a failure)."""
     spec, model, tokens, _ = case

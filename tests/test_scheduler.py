@@ -9,6 +9,7 @@ import pytest
 import pytest_asyncio
 
 from strata.engine import Engine
+from strata.host.cells import Cells, numpy_chunks
 from strata.host.backend import CpuBackend
 from strata.host.experts import CpuExpertPool, ExpertBlob, ExpertSlice, MissCosts, VramCache
 from strata.host.scheduler import HostConfig, Scheduler
@@ -63,6 +64,50 @@ class VramOnCpu(CpuBackend):
         self._run(seq, self.ref.post, seq.st, layer, seq.pre, parts)
 
 
+class CellsOnCpu(VramOnCpu):
+    """VramOnCpu whose expert blobs live in host_alloc's cells (as the CUDA backend's pinned ones do): every upload
+    must come from a cell, and a cell evicted from the store is reused only once nothing reads it."""
+
+    def __init__(self, model, slots: int):
+        super().__init__(model, slots)
+        self.cells = Cells(1, numpy_chunks, chunk_bytes=1)        # one cell per chunk: reuse shows in nbytes
+
+    def host_alloc(self, nbytes):
+        if nbytes > self.cells.cell_bytes:
+            self.cells = Cells(nbytes, numpy_chunks, chunk_bytes=1)
+        return self.cells.take(nbytes)
+
+    def load_expert(self, layer, expert, slot, gate, up, down):
+        assert all(self.cells.owns(m) for m in (gate, up, down)), "an uploaded blob is not in a cell"
+        super().load_expert(layer, expert, slot, gate, up, down)
+
+
+class WholeOnCpu(CpuBackend):
+    """The CPU twin of CudaBackend(experts="vram"): every expert resident, a token is one job (the whole-token
+    graph) fed the PLE rows the scheduler read; no per-layer round trip may happen."""
+    experts, graphs = "vram", True
+
+    def resident(self, layer, ids):
+        return np.ones(len(ids), bool)
+
+    def launch_pre(self, seq, layer):
+        raise AssertionError("the whole-token path launched a per-layer graph")
+
+    def decode_token(self, seq, token, ple_e):
+        if self.cfg.ple_layers and ple_e is None:
+            raise AssertionError("decode_token without the token's PLE rows")
+
+        def token_graph():
+            R = self.ref.embed(seq.st, token)
+            for il in range(self.cfg.n_layer):
+                p = self.ref.pre(seq.st, il, R, ple_e if il in self.cfg.ple_layers else None)
+                R = self.ref.post(seq.st, il, p, self.ref.experts(il, p.x, p.ids))
+            logits = self.ref.head(seq.st, R)
+            self.ref.finish_token(seq.st, token)
+            return logits
+        self._run(seq, token_graph)
+
+
 async def assert_parity(sched: Scheduler, ref: Engine, tokens: list[int]) -> None:
     got, want = await sched.score(tokens), ref.logits(tokens)
     for i in range(len(tokens)):
@@ -92,8 +137,9 @@ async def test_loop_logits_equal_teacher_forced(mix, exact, tiny_gguf, realistic
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("slots,budget_blobs,host_blobs", [(6, 5, None), (3, 3, 2), (64, 64, None)])
-async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, realistic_gguf):
+@pytest.mark.parametrize("slots,budget_blobs,host_blobs,cells", [(6, 5, None, False), (3, 3, 2, False),
+                                                                  (64, 64, None, False), (3, 3, 2, True)])
+async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, cells, realistic_gguf):
     """Hits, uploads, evictions (a cache smaller than one layer's routing included) and a host store that must
     re-read blobs: the logits stay exact. How misses split depends on measured costs (timing); the first miss
     of each layer is always uploaded (to measure the path), so uploads happen, and with room for every expert
@@ -104,14 +150,32 @@ async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, rea
     await sched0.aclose()
     host = HostConfig(vram_budget_bytes=budget_blobs * blob,
                       host_budget_bytes=None if host_blobs is None else host_blobs * blob)
-    sched = Scheduler(model, VramOnCpu(model, slots), host)
+    backend = (CellsOnCpu if cells else VramOnCpu)(model, slots)
+    sched = Scheduler(model, backend, host)
     try:
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS + TOKENS[:8])
+        if cells:     # blobs were evicted and re-read, yet cells were reused: fewer chunks than reads
+            assert len(backend.cells._chunks) < sched.store.reads
+            assert backend.cells.live <= host_blobs + slots + 16
         assert sched.cache.uploads > 0 and (sched.cache.hit_rate() > 0 or slots < 64)
         assert len(sched.cache) <= min(slots, budget_blobs) and sched.cache.bytes <= budget_blobs * blob
         assert any(c is not None for c in sched.costs.cpu_ms) and any(u is not None for u in sched.costs.upload_ms)
         if host_blobs is not None:
             assert len(sched.store) <= host_blobs and sched.store.reads > len(sched.store)
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_whole_token_path_keeps_parity(realistic_gguf):
+    """Every expert resident: the scheduler runs one job per token (PLE rows read by the host, as on the GPU),
+    with the same logits and a trace of token spans only."""
+    model = load_model(realistic_gguf)
+    sched = Scheduler(model, WholeOnCpu(model))
+    try:
+        assert sched.whole_token
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
+        assert sched.store.reads == 0
     finally:
         await sched.aclose()
 

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -74,11 +75,14 @@ class ExpertLayout:
 
 class ExpertBlob:
     """Expert `expert` of layer `layer` in host memory: one buffer, three uint8 (rows, row_bytes) views, and their
-    addresses for the compiled expert batch (taken once here, on the I/O thread)."""
+    addresses for the compiled expert batch (taken once here, on the I/O thread). `alloc(nbytes)` gives the buffer
+    (the CUDA backend's pinned cells, so uploads DMA straight from it); numpy memory by default."""
 
-    def __init__(self, layer: int, expert: int, slices: tuple[ExpertSlice, ...]):
+    def __init__(self, layer: int, expert: int, slices: tuple[ExpertSlice, ...],
+                 alloc: Callable[[int], np.ndarray] | None = None):
         self.layer, self.expert = layer, expert
-        self.buf = np.empty(sum(s.nbytes for s in slices), np.uint8)
+        n = sum(s.nbytes for s in slices)
+        self.buf = alloc(n) if alloc is not None else np.empty(n, np.uint8)
         views, at = [], 0
         for s in slices:
             views.append(self.buf[at:at + s.nbytes].reshape(s.rows, s.row_bytes))
@@ -103,8 +107,9 @@ class ExpertStore:
     so a CPU task or an upload never waits on part of one. Thread-safe: reads finish on I/O threads.
     """
 
-    def __init__(self, path: str, layout: ExpertLayout, budget_bytes: int, pool: ThreadPoolExecutor):
-        self.path, self.layout, self.budget, self.pool = path, layout, budget_bytes, pool
+    def __init__(self, path: str, layout: ExpertLayout, budget_bytes: int, pool: ThreadPoolExecutor,
+                 alloc: Callable[[int], np.ndarray] | None = None):
+        self.path, self.layout, self.budget, self.pool, self.alloc = path, layout, budget_bytes, pool, alloc
         self.fd = os.open(path, os.O_RDONLY)
         self.bytes = 0
         self.reads = 0
@@ -134,7 +139,7 @@ class ExpertStore:
         try:
             t0 = clock()
             slices = self.layout.layers[layer]
-            blob = ExpertBlob(layer, expert, slices)
+            blob = ExpertBlob(layer, expert, slices, self.alloc)
             for s in slices:
                 os.posix_fadvise(self.fd, s.offset(expert), s.nbytes, os.POSIX_FADV_WILLNEED)
             for s, view in zip(slices, (blob.gate, blob.up, blob.down)):
@@ -263,8 +268,8 @@ class CpuExpertPool:
         """Outputs of the experts whose blobs `blob_futs` will give, for input x (E,): a future of CpuResult."""
         return _Batch(self, slices, np.array(x, F32, copy=True), blob_futs).result
 
-    def close(self) -> None:
-        self.threads.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = False) -> None:
+        self.threads.shutdown(wait=wait, cancel_futures=True)
 
 
 class VramCache:

@@ -60,6 +60,9 @@ class HostConfig:
     host_budget_bytes: int | None = None    # expert blobs kept in RAM; None: all experts, at most half the RAM
     cpu_threads: int | None = None          # CPU expert pool; None: one per core
     io_threads: int = 8                     # expert blob reads in flight at once
+    max_ctx: int = 8192                     # CUDA: positions the device's KV cache holds (its memory is reserved)
+    experts: str = "auto"                   # CUDA: "vram" (every expert uploaded at open, one graph per token),
+                                            # "host" (the cache above), "auto": vram when the budget holds them
     poll: PollPolicy = PollPolicy()
 
 
@@ -155,11 +158,16 @@ class Scheduler:
         self.tracer = tracer or Tracer()
         self.layout = ExpertLayout.from_model(model)
         self.io = ThreadPoolExecutor(host.io_threads, thread_name_prefix="strata-io")
+        # a backend that can DMA from host memory it allocated (CUDA: pinned cells) gives the blobs their memory
         self.store = ExpertStore(model.file.path, self.layout,
-                                 _host_budget(self.layout, self.cfg.n_expert, host.host_budget_bytes), self.io)
+                                 _host_budget(self.layout, self.cfg.n_expert, host.host_budget_bytes), self.io,
+                                 alloc=getattr(backend, "host_alloc", None))
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
+        # every expert in VRAM (CudaBackend experts="vram"): a token is one graph, no per-layer host round trip
+        self.whole_token = (getattr(backend, "experts", None) == "vram" and getattr(backend, "graphs", False)
+                            and hasattr(backend, "decode_token"))
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
         self.ple = PleReader(model.file.path, model.file.tensor("per_layer_token_embd.weight"),
@@ -250,9 +258,12 @@ class Scheduler:
         task, self._driver = self._driver, None
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
+        # blobs in backend memory (pinned cells) are freed with the backend: let the CPU batch and the reads
+        # running on them finish first (milliseconds); the queued ones are cancelled
+        pinned = self.store.alloc is not None
+        self.pool.close(wait=pinned)
+        self.io.shutdown(wait=pinned, cancel_futures=True)
         self.backend.close()
-        self.pool.close()
-        self.io.shutdown(wait=False, cancel_futures=True)
         self.store.close()
         if self.ple:
             self.ple.pool.shutdown(wait=False, cancel_futures=True)
@@ -402,6 +413,8 @@ class Scheduler:
 
     async def _forward(self, req: Request, token: int, ple: Future | None, st: StepTrace) -> np.ndarray:
         be, seq = self.backend, req.seq
+        if self.whole_token:
+            return await self._forward_whole(req, token, ple, st)
         be.begin(seq, token, None)
         for il in range(self.cfg.n_layer):
             if il == self.ple_layer:
@@ -431,6 +444,27 @@ class Scheduler:
         if logits is None:
             logits = await self._poll(lambda: be.poll_logits(seq), "head", -1)
         st.span("head_wait", -1, t1, clock())
+        return logits
+
+    async def _forward_whole(self, req: Request, token: int, ple: Future | None, st: StepTrace) -> np.ndarray:
+        """Every expert resident in VRAM (CudaBackend experts="vram"): the token is one captured graph with no host
+        round trip inside it; the PLE rows are awaited first because the graph's begin copies them."""
+        be, seq = self.backend, req.seq
+        ple_e = None
+        if ple is not None:
+            rows = await self._wait(ple, st, "ple_wait", self.ple_layer, f"the PLE rows of token {token}")
+            st.read("ple", rows.nbytes, rows.t0, rows.t1)
+            ple_e = rows.e
+        t0 = clock()
+        be.decode_token(seq, token, ple_e)
+        t1 = clock()
+        st.span("token_launch", -1, t0, t1)
+        logits = be.poll_logits(seq)
+        if logits is None:
+            logits = await self._poll(lambda: be.poll_logits(seq), "token", -1)
+        st.span("token_wait", -1, t1, clock())
+        if req.aborted:
+            raise _Aborted
         return logits
 
     async def _expert_parts(self, il: int, route: Route, st: StepTrace) -> tuple[np.ndarray, np.ndarray]:

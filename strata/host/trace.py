@@ -28,16 +28,18 @@ _ORIGIN = time.perf_counter()
 
 # span kinds: what the driver was doing, in the table's order; DEVICE spans are device intervals as the host saw
 # them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
-DEVICE = ("pre_launch", "doorbell", "post_launch", "post_wait", "head_launch", "head_wait")
+DEVICE = ("pre_launch", "doorbell", "post_launch", "post_wait", "head_launch", "head_wait", "token_launch",
+          "token_wait")
 WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload")
 HOST = ("sample",)
 KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "post_launch", "post_wait",
-         "head_launch", "head_wait", "sample")
+         "head_launch", "head_wait", "token_launch", "token_wait", "sample")
 LABELS = {
     "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch", "doorbell": "pre graph: doorbell wait",
     "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
     "post_launch": "post graph: launch", "post_wait": "post graph: wait", "head_launch": "head: launch",
-    "head_wait": "head: wait", "sample": "sample + detokenize", "other": "other/host (residual)",
+    "head_wait": "head: wait", "token_launch": "whole-token graph: launch",
+    "token_wait": "whole-token graph: wait", "sample": "sample + detokenize", "other": "other/host (residual)",
 }
 
 
