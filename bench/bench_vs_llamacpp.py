@@ -11,7 +11,7 @@ repeats with a warm-up excluded:
     decode tok/s      median per-token time of --decode tokens after a 1-token prompt (context 0) and after a
                       --long-ctx prompt (context 8K)
 Strata's bytes moved per token come from `strata.inspect.per_token_bytes`; the floor they imply uses the host
-memory read bandwidth measured in the same run (numpy, all threads). llama.cpp is llama-cpp-python 0.3.36 (its
+memory read bandwidth measured in the same run (numpy sums, one thread per core). llama.cpp is llama-cpp-python 0.3.36 (its
 sdist vendors llama.cpp with qwen4exp); the CPU configuration runs it through its Python bindings, the GPU
 configurations through that llama.cpp's own `llama-bench` built for CUDA (--llama-bench PATH; the binary is not in
 the repository). Peak memory of every child: its VmHWM (host) and the device's memory in use (NVML), polled while
@@ -45,13 +45,17 @@ sys.path.insert(0, str(ROOT))
 
 
 def host_bandwidth(gib: float = 2.0) -> float:
-    """GB/s of a numpy sum over a large array (read-bound), best of 3."""
+    """GB/s of numpy sums over a large array (read-bound), one slice per core on a thread pool, best of 3."""
+    from concurrent.futures import ThreadPoolExecutor
     a = np.ones(int(gib * (1 << 30) / 8), np.int64)
+    n = os.cpu_count() or 1
+    parts = np.array_split(a, n)
     best = 0.0
-    for _ in range(3):
-        t = time.perf_counter()
-        a.sum()
-        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    with ThreadPoolExecutor(n) as pool:
+        for _ in range(3):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
     return best
 
 
@@ -216,7 +220,7 @@ def gpu_memory_floors() -> dict:
     b = int(check(cu.cuMemAlloc(n), "cuMemAlloc"))
     h = drv.HostBuffer(n // 4, what="bandwidth probe")
     st = drv.Stream()
-    e0, e1 = drv.Event(), drv.Event()
+    e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
 
     def timed(fn, reps=5) -> float:
         ts = []
@@ -267,8 +271,8 @@ def main() -> None:
     bw = host_bandwidth()
     backend = "cpu" if a.config == "cpu" else "cuda"
     vram = 24.0 if a.config == "budget24" else 1e6
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = os.environ.get("STRATA_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {a.config} | model {Path(model).name} ({m.file.size / 2**30:.2f} GiB) | {platform.processor() or ''} "
           f"{os.cpu_count()} cores | {time.strftime('%Y-%m-%d')} | commit {commit}")
     print(f"# host read bandwidth {bw:.1f} GB/s; strata bytes/token {ptb['total'] / 2**20:.1f} MiB -> floor "
@@ -280,9 +284,10 @@ def main() -> None:
         return gpu_run(a, model, ptb, bw, jobs)
     rows = []
     for label, kind, n in jobs:
-        reps = 1 if kind == "decode" else a.repeats
         res = {}
         for eng in ("strata", "llama.cpp"):
+            # strata prefills token by token: a 4096-token prompt is minutes of work, measured once
+            reps = 1 if kind == "decode" or (eng == "strata" and n > 1024) else a.repeats
             runs = []
             for _ in range(reps):
                 spec = (dict(engine="strata", model=model, backend=backend, kind=kind, n_prompt=n,

@@ -56,7 +56,7 @@ STEP_TOKEN, STEP_POS, STEP_RING = 0, 1, 2       # common.cuh
 POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, host parts (k, E) f32 here
 MEM_MARGIN = 512 << 20                           # device memory left free for the driver and the graphs
 LOAD_STAGING = 4                                 # pinned buffers for load_expert copies in flight
-DIRECT_EVENTS = 256                              # load_expert copies from pinned blobs in flight
+LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
 
 
 class _Later:
@@ -382,7 +382,11 @@ class CudaBackend:
         self.ev_post = [drv.Event() for _ in range(cfg.n_layer)]
         self.ev_mark = drv.Event()
         if self.experts == "host":
-            self.ev_slot = [drv.Event() for _ in range(self.n_slots)]
+            # load_expert copies run on the side stream, in order: the first load after a launch makes the side
+            # stream wait for the launches so far (they may read a slot's old expert: ev_mark), and the next post
+            # waits once for every load before it (ev_loads[i], which also keeps the blobs those loads read alive)
+            self._mark_needed = True
+            self._loaded: list[object] = []              # blobs (or staging) read by loads not yet waited for
             self.h_load = [drv.HostBuffer(self.slot_bytes, what="expert staging") for _ in range(LOAD_STAGING)]
             self.ev_load = [drv.Event() for _ in range(LOAD_STAGING)]
             self.load_used = [False] * LOAD_STAGING
@@ -396,9 +400,9 @@ class CudaBackend:
                 h = drv.HostBuffer(n, what="expert blobs")
                 return h.ptr, h
             self.cells = Cells(self.slot_bytes, pinned_chunk)
-            self.ev_direct = [drv.Event() for _ in range(DIRECT_EVENTS)]
-            self.direct_turn = 0
-            self._inflight: list[object] = [None] * DIRECT_EVENTS      # the blob each direct event's copies read
+            self.ev_loads = [drv.Event() for _ in range(LOAD_EVENTS)]
+            self.loads_turn = 0
+            self._inflight: list[object] = [None] * LOAD_EVENTS       # what each event's copies read
 
     # ---- the launches, stage by stage -------------------------------------------------------------------
     def _plan_launches(self) -> None:
@@ -717,20 +721,32 @@ class CudaBackend:
             return np.empty(nbytes, np.uint8)
         return self.cells.take(nbytes)
 
+    def _side_after_launches(self) -> None:
+        """The side stream's next copy waits for every launch made so far (one may read a slot it overwrites)."""
+        if self._mark_needed:
+            self.ev_mark.record(self.stream)
+            self.side.wait(self.ev_mark)
+            self._mark_needed = False
+
+    def _loads_before_post(self) -> None:
+        """The main stream waits for every load so far; their sources stay alive until those copies are done."""
+        if not self._loaded:
+            return
+        i = self.loads_turn
+        if self._inflight[i] is not None:               # LOAD_EVENTS layers ago: long done in practice
+            self.ev_loads[i].synchronize("expert uploads")
+        self.ev_loads[i].record(self.side)
+        self.stream.wait(self.ev_loads[i])
+        self._inflight[i], self._loaded = self._loaded, []
+        self.loads_turn = (i + 1) % LOAD_EVENTS
+
     def _load_direct(self, layer: int, expert: int, slot: int, parts) -> None:
-        i = self.direct_turn
-        if self._inflight[i] is not None:               # DIRECT_EVENTS loads ago: long done in practice
-            self.ev_direct[i].synchronize("expert upload reuse")
-        self.ev_mark.record(self.stream)                # launches made so far may still read the slot's old expert
-        self.side.wait(self.ev_mark)
+        self._side_after_launches()
         base = self.slot_buf.ptr + slot * self.slot_bytes
         for rows, at in zip(parts, (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])):
             drv.memcpy_htod_async(base + at, rows.ctypes.data, rows.nbytes, self.side,
                                   f"expert {layer}.{expert} -> slot {slot}")
-        self.ev_direct[i].record(self.side)
-        self.ev_slot[slot].record(self.side)
-        self._inflight[i] = parts                       # keeps the blob's cell until the copies are done
-        self.direct_turn = (i + 1) % DIRECT_EVENTS
+        self._loaded.append(parts)                      # keeps the blob's cell until the copies are done
 
     def _load_staged(self, layer: int, expert: int, slot: int, parts) -> None:
         i = self.load_turn
@@ -741,13 +757,11 @@ class CudaBackend:
         for rows, room in zip(parts, self.slot_parts):
             buf.array(U8, rows.shape, off)[:] = rows
             off += room
-        # the copy waits for every launch made so far: one of them may still read the slot's previous expert
-        self.ev_mark.record(self.stream)
-        self.side.wait(self.ev_mark)
+        self._side_after_launches()
         drv.memcpy_htod_async(self.slot_buf.ptr + slot * self.slot_bytes, buf.ptr, self.slot_bytes, self.side,
                               f"expert {layer}.{expert} -> slot {slot}")
         self.ev_load[i].record(self.side)
-        self.ev_slot[slot].record(self.side)
+        self._loaded.append(None)
         self.load_used[i] = True
         self.load_turn = (i + 1) % LOAD_STAGING
 
@@ -776,15 +790,17 @@ class CudaBackend:
                         raise BackendError(f"launch_post: expert {int(ids[j])} of layer {layer} is marked resident "
                                            f"but is in no cache slot")
                     self.post_slots[j] = slot
-                    self.stream.wait(self.ev_slot[slot])
                 else:
                     self.post_slots[j] = -1
+            self._loads_before_post()
             drv.memcpy_htod_async(self.b_post_in.ptr, self.h_post.ptr, self.h_post.nbytes, self.stream,
                                   f"post[{layer}] inputs")
         seq.mask = mask
         seq.parts = None if seq.dump is None else np.array(parts, F32)
         self._run_stages(seq, ("post", layer), self.post[layer], layer)
         self.ev_post[layer].record(self.stream)
+        if self.experts == "host":
+            self._mark_needed = True                    # this post reads slots a later load may overwrite
         seq.phase = "post"
 
     @_guarded

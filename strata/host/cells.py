@@ -12,6 +12,7 @@ Cells are closed). The CPU tests use numpy chunks; the CUDA backend uses cuMemHo
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from typing import Callable
@@ -30,6 +31,8 @@ class Cells:
         self.per_chunk = max(1, chunk_bytes // self.cell_bytes)
         self._alloc = chunk_alloc
         self._chunks: list[tuple[int, int, object]] = []      # (address, nbytes, keepalive)
+        self._starts: list[int] = []                           # chunk addresses, sorted (owns: bisect)
+        self._ends: list[int] = []
         self._free: list[int] = []                             # addresses of free cells
         self._lock = threading.Lock()
         self.live = 0
@@ -48,6 +51,9 @@ class Cells:
                 n = self.per_chunk * self.cell_bytes
                 addr, keep = self._alloc(n)
                 self._chunks.append((int(addr), n, keep))
+                at = bisect.bisect(self._starts, int(addr))
+                self._starts.insert(at, int(addr))
+                self._ends.insert(at, int(addr) + n)
                 self._free.extend(int(addr) + i * self.cell_bytes for i in range(self.per_chunk - 1, -1, -1))
             addr = self._free.pop()
             self.live += 1
@@ -63,12 +69,12 @@ class Cells:
     def owns(self, a: np.ndarray) -> bool:
         """a's memory lies inside one of the chunks."""
         p = a.__array_interface__["data"][0]
-        end = p + a.nbytes
-        return any(c <= p and end <= c + n for c, n, _ in self._chunks)
+        i = bisect.bisect(self._starts, p) - 1
+        return i >= 0 and p + a.nbytes <= self._ends[i]
 
     def close(self, free: Callable[[object], None] = lambda keep: None) -> None:
         with self._lock:
-            chunks, self._chunks, self._free = self._chunks, [], []
+            chunks, self._chunks, self._free, self._starts, self._ends = self._chunks, [], [], [], []
         for _, _, keep in chunks:
             free(keep)
 
