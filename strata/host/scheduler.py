@@ -53,6 +53,9 @@ class PollPolicy:
     timeout_s: float = 60.0     # a stage or read that never ends is an error, not a hang
 
 
+TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
+
+
 @dataclass(frozen=True)
 class HostConfig:
     vram_budget_bytes: int = 24 << 30       # VRAM for the backend; the expert cache never holds more (and at
@@ -166,6 +169,7 @@ class Scheduler:
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
         # every expert in VRAM (CudaBackend experts="vram"): a token is one graph, no per-layer host round trip
+        self._token_s = 0.0               # running estimate of the whole-token graph's time (its wait)
         self.whole_token = (getattr(backend, "experts", None) == "vram" and getattr(backend, "graphs", False)
                             and hasattr(backend, "decode_token"))
         has_ple = bool(self.cfg.ple_layers)
@@ -459,10 +463,16 @@ class Scheduler:
         be.decode_token(seq, token, ple_e)
         t1 = clock()
         st.span("token_launch", -1, t0, t1)
+        # the graph takes about as long as the last ones did: sleep through most of it (the loop's timers are
+        # ~1 ms coarse), then poll; a backoff alone would overshoot a 9 ms graph by up to its last sleep
+        if self._token_s > 2 * TIMER_SLACK_S:
+            await asyncio.sleep(self._token_s - TIMER_SLACK_S)
         logits = be.poll_logits(seq)
         if logits is None:
             logits = await self._poll(lambda: be.poll_logits(seq), "token", -1)
-        st.span("token_wait", -1, t1, clock())
+        t2 = clock()
+        st.span("token_wait", -1, t1, t2)
+        self._token_s = (t2 - t1) if self._token_s == 0 else 0.8 * self._token_s + 0.2 * min(t2 - t1, 2 * self._token_s)
         if req.aborted:
             raise _Aborted
         return logits
