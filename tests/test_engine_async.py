@@ -230,3 +230,25 @@ def test_sync_wrappers(tiny_gguf):
             with pytest.raises(RuntimeError, match="async for"):
                 e.generate_text("x")
         asyncio.run(inside_a_loop())
+
+
+def test_expert_placement_choice(tiny_gguf, monkeypatch):
+    """HostConfig.experts: a bad value is a clear error before any device is touched; 'auto' picks 'vram' only when
+    the budget holds every weight but the PLE table, with 2 GiB to spare."""
+    import sys
+    import types
+
+    from strata.engine import make_backend
+    model = load_model(tiny_gguf)
+    picked = []
+
+    class Probe:                       # stands in for CudaBackend (no GPU, maybe no cuda-bindings here)
+        def __init__(self, model, **kw):
+            picked.append(kw["experts"])
+    monkeypatch.setitem(sys.modules, "strata.cuda.backend", types.SimpleNamespace(CudaBackend=Probe))
+    with pytest.raises(ValueError, match="HostConfig.experts='everywhere'"):
+        make_backend("cuda", model, HostConfig(experts="everywhere"))
+    need = sum(t.nbytes for n, t in model.file.tensors.items() if n != "per_layer_token_embd.weight")
+    for budget in (None, need + (2 << 30) - 1, need + (2 << 30)):
+        make_backend("cuda", model, HostConfig(vram_budget_bytes=budget))
+    assert picked == ["host", "host", "vram"]
