@@ -10,7 +10,6 @@ runs first (numba compilation, first reads, cache fill); --preload reads every e
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import tempfile
 import time
@@ -45,13 +44,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def preload(e: Engine) -> None:
-    """Every expert blob into the host store, a layer at a time (the reads run on the I/O pool)."""
+    t0 = time.perf_counter()
+    n = await e.preload_experts()
     s = e.scheduler
-    t0, n = time.perf_counter(), 0
-    for il in range(e.cfg.n_layer):
-        futs = [s.store.fetch(il, x) for x in range(e.cfg.n_expert)]
-        for f in futs:
-            n += (await asyncio.wrap_future(f)).nbytes
     print(f"preload: {n / GIB:.2f} GiB of experts in {time.perf_counter() - t0:.1f} s, "
           f"{len(s.store)} blobs held ({s.store.bytes / GIB:.2f} GiB)")
 

@@ -77,11 +77,8 @@ def strata_child(model: str, backend: str, kind: str, n_prompt: int, n_decode: i
         eng = await Engine.open(model, backend=backend, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx))
         cfg = eng.cfg
-        if preload:                      # every expert blob into the host store (the reads run on the I/O pool)
-            s = eng.scheduler
-            for il in range(cfg.n_layer):
-                for f in [s.store.fetch(il, x) for x in range(cfg.n_expert)]:
-                    await asyncio.wrap_future(f)
+        if preload:
+            await eng.preload_experts()
         prompt = tokens_for(n_prompt, cfg.n_vocab, cfg.eos_id or -1, 1)
         warm = SamplingParams(max_tokens=warm_tokens, stop_at_eos=False)
         async for _ in eng.generate(tokens_for(4, cfg.n_vocab, cfg.eos_id or -1, 2), warm):
@@ -191,8 +188,7 @@ def run_child(spec: dict, timeout: float) -> dict:
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     if rc != 0 or line is None:
         return {"error": (err or out).strip().splitlines()[-1:] or ["failed"]}
-    res = json.loads(line[7:])
-    res["peak_rss_gib"] = max(res["peak_rss_gib"], peak["peak_rss_gib"])
+    res = json.loads(line[7:])           # peak_rss_gib: the child's own VmHWM, read at its end
     res["peak_dev_gib"] = peak["peak_dev_gib"]
     return res
 
@@ -214,7 +210,7 @@ def gpu_memory_floors() -> dict:
     """HBM (device copy) and PCIe host-to-device (pinned) bandwidth in GB/s, measured now with cuda-bindings."""
     from strata.cuda import driver as drv
     from strata.cuda.driver import check, cu
-    dev = drv.Device.open()
+    drv.Device.open()                                       # the primary context, current on this thread
     n = 1 << 30
     a = int(check(cu.cuMemAlloc(n), "cuMemAlloc"))
     b = int(check(cu.cuMemAlloc(n), "cuMemAlloc"))
@@ -236,7 +232,6 @@ def gpu_memory_floors() -> dict:
     for p in (a, b):
         cu.cuMemFree(p)
     h.free()
-    del dev
     return {"hbm": hbm, "pcie": pcie}
 
 

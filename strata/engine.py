@@ -156,6 +156,15 @@ class Engine:
         """Teacher-forced logits (n_tokens, n_vocab) float32 computed by the token loop over the backend."""
         return await self.scheduler.score(self.check_tokens(tokens))
 
+    async def preload_experts(self) -> int:
+        """Read every expert blob into the host store (at most its budget stays), a layer at a time on the I/O
+        pool, so that decoding starts with no expert read from disk. Returns the bytes read."""
+        s, n = self.scheduler, 0
+        for il in range(self.cfg.n_layer):
+            for f in [s.store.fetch(il, x) for x in range(self.cfg.n_expert)]:
+                n += (await asyncio.wrap_future(f)).nbytes
+        return n
+
     async def aclose(self) -> None:
         await self.scheduler.aclose()
 

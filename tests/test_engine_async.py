@@ -252,3 +252,15 @@ def test_expert_placement_choice(tiny_gguf, monkeypatch):
     for budget in (None, need + (2 << 30) - 1, need + (2 << 30)):
         make_backend("cuda", model, HostConfig(vram_budget_bytes=budget))
     assert picked == ["host", "host", "vram"]
+
+
+@pytest.mark.asyncio
+async def test_preload_experts_fills_the_store(tiny_gguf):
+    e = await Engine.open(tiny_gguf)
+    try:
+        s, cfg = e.scheduler, e.cfg
+        n = await e.preload_experts()
+        assert n == sum(s.layout.blob_bytes(il) for il in range(cfg.n_layer)) * cfg.n_expert
+        assert len(s.store) == cfg.n_layer * cfg.n_expert and s.store.reads == len(s.store)
+    finally:
+        await e.aclose()
