@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     g.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--vram-budget-gib", type=float, default=24.0, help="CUDA: VRAM the engine may use (default 24)")
+    g.add_argument("--vram-budget-gib", type=float, default=24.0,
+                   help="CUDA: device memory in use while the engine runs, its CUDA context and graphs included "
+                        "(default 24)")
     g.add_argument("--experts", default="auto", choices=["auto", "vram", "host"],
                    help="CUDA: every expert in VRAM, or experts in host memory behind a VRAM cache; auto: vram "
                         "when the budget holds every weight (default)")

@@ -66,39 +66,56 @@ def tokens_for(n: int, n_vocab: int, eos: int, seed: int) -> list[int]:
 
 
 # ---- the two engines, each in a child process ------------------------------------------------------------------
-def strata_child(model: str, backend: str, kind: str, n_prompt: int, n_decode: int, vram_gib: float,
-                 experts: str = "auto", preload: bool = False, warm_tokens: int = 2) -> dict:
+def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
+                 preload: bool = False, warm_tokens: int = 2) -> dict:
+    """One engine open (and expert preload) for a list of measurements [kind, n_prompt], each a fresh request."""
     import asyncio
     from strata.engine import Engine, HostConfig
     from strata.sampling import SamplingParams
 
     async def go():
-        max_ctx = -(-(n_prompt + n_decode + 8) // 1024) * 1024
+        max_ctx = -(-(max(n for _, n in runs) + n_decode + 8) // 1024) * 1024
         eng = await Engine.open(model, backend=backend, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx))
         cfg = eng.cfg
         if preload:
             await eng.preload_experts()
-        prompt = tokens_for(n_prompt, cfg.n_vocab, cfg.eos_id or -1, 1)
         warm = SamplingParams(max_tokens=warm_tokens, stop_at_eos=False)
         async for _ in eng.generate(tokens_for(4, cfg.n_vocab, cfg.eos_id or -1, 2), warm):
             pass
-        stamps, t_prompt_done = [], None
-        params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
-        t0 = time.perf_counter()
-        async for c in eng.generate(prompt, params):
-            now = time.perf_counter()
-            if t_prompt_done is None:
-                t_prompt_done = now
-            stamps.append(now)
+        out = []
+        for kind, n_prompt in runs:
+            prompt = tokens_for(n_prompt, cfg.n_vocab, cfg.eos_id or -1, 1)
+            params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
+            stamps = []
+            t0 = time.perf_counter()
+            async for _ in eng.generate(prompt, params):
+                stamps.append(time.perf_counter())
+            r = {"prefill_tok_s": n_prompt / (stamps[0] - t0)}
+            if kind == "decode":
+                r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)   # the last chunk: the finish marker
+            print(f"strata {kind} {n_prompt}: {r}", file=sys.stderr, flush=True)
+            out.append(r)
         await eng.aclose()
-        return t0, t_prompt_done, stamps
+        return out
 
-    t0, t_prompt, stamps = asyncio.run(go())
-    out = {"prefill_tok_s": n_prompt / (t_prompt - t0)}
-    if kind == "decode":
-        dt = np.diff(stamps[:-1])                  # the last chunk is the finish marker
-        out["decode_ms"] = float(np.median(dt) * 1e3)
+    return {"runs": asyncio.run(go())}
+
+
+def strata_measure(spec: dict, jobs: list, timeout: float) -> dict:
+    """jobs [(label, kind, n, repeats)] in one strata child: {label: {key: median, peak_rss_gib, peak_dev_gib}} or
+    {label: {"error": ...}}; the peaks are the child's, shared by its measurements."""
+    runs = [[kind, n] for _, kind, n, reps in jobs for _ in range(reps)]
+    res = run_child(dict(spec, runs=runs), timeout, show_err=True)
+    out, i = {}, 0
+    for label, kind, n, reps in jobs:
+        if "error" in res:
+            out[label] = {"error": res["error"]}
+            continue
+        mine, i = res["runs"][i:i + reps], i + reps
+        key = "decode_ms" if kind == "decode" else "prefill_tok_s"
+        out[label] = {key: float(np.median([r[key] for r in mine])), "peak_rss_gib": res["peak_rss_gib"],
+                      "peak_dev_gib": res.get("peak_dev_gib", float("nan"))}
     return out
 
 
@@ -171,23 +188,25 @@ class Peak:
         return {"peak_rss_gib": self.host_kib / (1 << 20), "peak_dev_gib": self.dev_bytes / (1 << 30)}
 
 
-def run_polled(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str, dict]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def run_polled(cmd: list[str], timeout: float, show_err: bool = False) -> tuple[int, str, str, dict]:
+    """show_err: the child's stderr goes straight to ours (its progress in the log as it runs), else captured."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if show_err else subprocess.PIPE, text=True)
     peak = Peak(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        err += f"\ntimed out after {timeout:.0f} s"
+        err = (err or "") + f"\ntimed out after {timeout:.0f} s"
     return proc.returncode, out, err, peak.stop()
 
 
-def run_child(spec: dict, timeout: float) -> dict:
-    rc, out, err, peak = run_polled([sys.executable, __file__, "--child", json.dumps(spec)], timeout)
+def run_child(spec: dict, timeout: float, show_err: bool = False) -> dict:
+    rc, out, err, peak = run_polled([sys.executable, __file__, "--child", json.dumps(spec)], timeout, show_err)
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     if rc != 0 or line is None:
-        return {"error": (err or out).strip().splitlines()[-1:] or ["failed"]}
+        why = (err or out or "").strip().splitlines()[-1:] or [f"exit status {rc}"]
+        return {"error": why + (["(its stderr is above)"] if show_err else [])}
     res = json.loads(line[7:])           # peak_rss_gib: the child's own VmHWM, read at its end
     res["peak_dev_gib"] = peak["peak_dev_gib"]
     return res
@@ -251,6 +270,8 @@ def main() -> None:
     p.add_argument("--llama-bench", help="GPU configurations: llama.cpp's llama-bench binary built for CUDA")
     p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
     p.add_argument("--skip-strata", default="", help="comma list of measurement labels not run for strata")
+    p.add_argument("--skip-llama", action="store_true", help="GPU configurations: strata's cells only (llama.cpp's "
+                   "were measured by an earlier call on the same machine)")
     a = p.parse_args()
     if a.child:
         return child_main(json.loads(a.child))
@@ -277,28 +298,19 @@ def main() -> None:
     jobs += [(f"prefill {n}", "prefill", int(n)) for n in a.prefill.split(",")]
     if a.config != "cpu":
         return gpu_run(a, model, ptb, bw, jobs)
-    rows = []
+    # strata prefills token by token: a 4096-token prompt is minutes of work, measured once
+    reps = {label: 1 if kind == "decode" or n > 1024 else a.repeats for label, kind, n in jobs}
+    strata = strata_measure(dict(engine="strata", model=model, backend=backend, n_decode=a.decode, vram_gib=vram),
+                            [(label, kind, n, reps[label]) for label, kind, n in jobs], a.timeout)
     for label, kind, n in jobs:
-        res = {}
-        for eng in ("strata", "llama.cpp"):
-            # strata prefills token by token: a 4096-token prompt is minutes of work, measured once
-            reps = 1 if kind == "decode" or (eng == "strata" and n > 1024) else a.repeats
-            runs = []
-            for _ in range(reps):
-                spec = (dict(engine="strata", model=model, backend=backend, kind=kind, n_prompt=n,
-                             n_decode=a.decode, vram_gib=vram) if eng == "strata" else
-                        dict(engine="llama", model=model, kind=kind, n_prompt=n, n_decode=a.decode,
-                             threads=a.threads, gpu_layers=0 if a.config == "cpu" else -1))
-                runs.append(run_child(spec, a.timeout))
-            ok = [r for r in runs if "error" not in r]
-            if not ok:
-                res[eng] = {"error": runs[0]["error"]}
-                continue
-            key = "decode_ms" if kind == "decode" else "prefill_tok_s"
-            res[eng] = {key: float(np.median([r[key] for r in ok])),
-                        "peak_rss_gib": max(r["peak_rss_gib"] for r in ok)}
-        rows.append((label, kind, res))
-        s, ll = res["strata"], res["llama.cpp"]
+        runs = [run_child(dict(engine="llama", model=model, kind=kind, n_prompt=n, n_decode=a.decode,
+                               threads=a.threads, gpu_layers=0 if a.config == "cpu" else -1), a.timeout)
+                for _ in range(reps[label])]
+        ok = [r for r in runs if "error" not in r]
+        key = "decode_ms" if kind == "decode" else "prefill_tok_s"
+        ll = ({key: float(np.median([r[key] for r in ok])), "peak_rss_gib": max(r["peak_rss_gib"] for r in ok)}
+              if ok else {"error": runs[0]["error"]})
+        s = strata[label]
         if "error" in s or "error" in ll:
             print(f"| {label} | strata {s} | llama.cpp {ll} |", flush=True)
             continue
@@ -325,6 +337,14 @@ def gpu_run(a, model: str, ptb: dict, host_bw: float, jobs: list) -> None:
           f"every one missed the VRAM cache", flush=True)
     budget = a.config == "budget24"
     base = ["-ngl", "99", "-t", str(a.threads)]
+    ll: dict[str, tuple[float, dict]] = {}
+    if not a.skip_llama:
+        ll = llama_cells(a, model, jobs, base, budget)
+    strata_cells(a, model, jobs, ll, budget)
+
+
+def llama_cells(a, model: str, jobs: list, base: list, budget: bool) -> dict:
+    """llama-bench's cells {label: (tok/s, peak memory)}; budget24: the --n-cpu-moe sweep first."""
     if budget:          # the sweep: the fastest --n-cpu-moe whose device memory stayed within 24 GiB
         sweep = []
         for n in [int(x) for x in a.ncmoe.split(",")]:
@@ -343,7 +363,7 @@ def gpu_run(a, model: str, ptb: dict, host_bw: float, jobs: list) -> None:
         best = max(fits, key=lambda x: x[1])
         print(f"# llama.cpp setting: --n-cpu-moe {best[0]} ({best[2]:.2f} GiB)", flush=True)
         base += ["-ncmoe", str(best[0])]
-    ll: dict[str, tuple[float, dict]] = {}
+    ll = {}
     pre = [n for _, kind, n in jobs if kind == "prefill"]
     res, peak = llama_bench(a.llama_bench, model, base + ["-p", ",".join(map(str, pre)), "-n", "0", "-r",
                                                           str(a.repeats)], a.timeout)
@@ -355,37 +375,34 @@ def gpu_run(a, model: str, ptb: dict, host_bw: float, jobs: list) -> None:
                             a.timeout)
     for r in res:
         ll[f"decode ctx {r['n_depth']}"] = (r["tok_s"], peak)
+    return ll
 
+
+def strata_cells(a, model: str, jobs: list, ll: dict, budget: bool) -> None:
+    """Strata's measurements (all in one child: one engine open and expert preload) and the table."""
     skip = {x.strip() for x in a.skip_strata.split(",") if x.strip()}
-    strata_spec = dict(engine="strata", model=model, backend="cuda", vram_gib=24.0 if budget else 130.0,
-                       experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2)
+    spec = dict(engine="strata", model=model, backend="cuda", n_decode=a.decode, vram_gib=24.0 if budget else 130.0,
+                experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2)
+    mine = [(label, kind, n, 1 if kind == "decode" or n > 1024 else a.repeats)
+            for label, kind, n in jobs if label not in skip]
+    strata = strata_measure(spec, mine, a.timeout) if mine else {}
     print("| measurement | strata tok/s | llama.cpp tok/s | strata/llama.cpp | strata peak host / device GiB | "
           "llama.cpp peak host / device GiB |")
     print("|---|---|---|---|---|---|", flush=True)
-    decode_ms = None
+    nan = float("nan")
     for label, kind, n in jobs:
-        tl, lpeak = ll.get(label, (float("nan"), {"peak_rss_gib": float("nan"), "peak_dev_gib": float("nan")}))
-        lmem = f"{lpeak['peak_rss_gib']:.2f} / {lpeak['peak_dev_gib']:.2f}"
-        if label in skip:
-            est = "" if decode_ms is None else f" (~{n * decode_ms / 1e3:.0f} s at the measured decode speed)"
-            print(f"| {label} | not run{est} | {tl:.2f} | - | - | {lmem} |", flush=True)
+        tl, lpeak = ll.get(label, (nan, {"peak_rss_gib": nan, "peak_dev_gib": nan}))
+        lcell = "not run" if a.skip_llama else f"{tl:.2f}"
+        lmem = "-" if a.skip_llama else f"{lpeak['peak_rss_gib']:.2f} / {lpeak['peak_dev_gib']:.2f}"
+        s = strata.get(label)
+        if s is None or "error" in s:
+            print(f"| {label} | {'not run' if s is None else 'error: ' + str(s['error'])} | {lcell} | - | - | "
+                  f"{lmem} |", flush=True)
             continue
-        reps = 1 if kind == "decode" or n > 1024 else a.repeats
-        runs = [run_child(dict(strata_spec, kind=kind, n_prompt=n, n_decode=a.decode), a.timeout)
-                for _ in range(reps)]
-        ok = [r for r in runs if "error" not in r]
-        if not ok:
-            print(f"| {label} | error: {runs[0]['error']} | {tl:.2f} | - | - | {lmem} |", flush=True)
-            continue
-        if kind == "decode":
-            ms = float(np.median([r["decode_ms"] for r in ok]))
-            decode_ms = decode_ms or ms
-            ts = 1e3 / ms
-        else:
-            ts = float(np.median([r["prefill_tok_s"] for r in ok]))
-        smem = f"{max(r['peak_rss_gib'] for r in ok):.2f} / {max(r['peak_dev_gib'] for r in ok):.2f}"
-        print(f"| {label} | {ts:.2f} | {tl:.2f} | {ts / tl:.3f} | {smem} | {lmem} |", flush=True)
-
+        ts = 1e3 / s["decode_ms"] if kind == "decode" else s["prefill_tok_s"]
+        ratio = "-" if a.skip_llama else f"{ts / tl:.3f}"
+        print(f"| {label} | {ts:.2f} | {lcell} | {ratio} | {s['peak_rss_gib']:.2f} / {s['peak_dev_gib']:.2f} | "
+              f"{lmem} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -58,7 +58,8 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
             raise ValueError(f"HostConfig.experts={experts!r}: choose 'auto', 'vram' or 'host'")
         # experts="host": experts stay in host memory; the VRAM left after the dense weights is the expert cache
         return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts, max_ctx=host.max_ctx,
-                           doorbell_timeout_s=host.poll.timeout_s, log=lambda s: print(s, file=sys.stderr))
+                           doorbell_timeout_s=host.poll.timeout_s, budget_counts_device=True,
+                           log=lambda s: print(s, file=sys.stderr))
     raise ValueError(f"unknown backend '{backend}': choose 'cpu' or 'cuda'")
 
 

@@ -144,6 +144,31 @@ def test_partial_cache(case):
         be.close()
 
 
+def test_budget_counts_the_device(case):
+    """budget_counts_device (what the engine passes): the budget bounds the device memory in use, the CUDA context
+    and what else the GPU holds included; a budget that the context alone exhausts is refused with the reason."""
+    from strata.cuda.backend import MEM_MARGIN, BackendError
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the budget arithmetic")
+    probe = CudaBackend(model, experts="host", max_ctx=128, log=print)
+    free, total = probe.dev.mem_info()
+    held, need, slot = total - free - probe.A.total, probe.A.total, probe.slot_bytes
+    probe.close()
+    with pytest.raises(BackendError, match="already in use on the device"):
+        CudaBackend(model, experts="host", vram_budget_bytes=held + MEM_MARGIN, max_ctx=128,
+                    budget_counts_device=True, log=print)
+    budget = held + MEM_MARGIN + need + 6 * slot + (64 << 20)     # 64 MiB: the context's own growth between opens
+    be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, budget_counts_device=True,
+                     log=print)
+    try:
+        assert be.expert_slots() > 0
+        assert be.device_in_use <= budget, (be.device_in_use, budget)
+        _check(f"{spec.name} counted budget", run_protocol(be, model, tokens), ref)
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("mode", ["vram", "host-cache"])
 def test_scheduler_over_cuda(case, mode):
     """The real token loop (strata.host.scheduler) over the CUDA backend: with every expert in VRAM it runs the

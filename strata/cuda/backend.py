@@ -105,10 +105,15 @@ class CudaBackend:
     max_seqs = 1          # one sequence at a time on the GPU: the state buffers exist once
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
-                 experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0, log=print):
+                 experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
+                 budget_counts_device: bool = False, log=print):
         """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
         experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
-        as many as vram_budget_bytes leaves room for (no budget: none, every expert is the host's)."""
+        as many as vram_budget_bytes leaves room for (no budget: none, every expert is the host's).
+        budget_counts_device: vram_budget_bytes bounds the device memory in use, not only the arena: what the
+        device already holds when the arena is planned (this CUDA context, the kernels' modules, and anything
+        else on the GPU) and MEM_MARGIN for the graphs come off it first. The engine passes True (a "24 GiB"
+        budget means a 24 GiB card); the tests size arenas exactly and pass False."""
         if experts not in ("vram", "host"):
             raise BackendError(f"CudaBackend: experts={experts!r}: 'vram' or 'host'")
         self._failed: str | None = None
@@ -129,6 +134,14 @@ class CudaBackend:
         self.A = Arena()
         self._plan_weights(W)
         self._plan_buffers()
+        self.held_before = 0
+        if budget_counts_device and vram_budget_bytes is not None:
+            free, total = self.dev.mem_info()
+            self.held_before = total - free
+            vram_budget_bytes -= self.held_before + MEM_MARGIN
+            log(f"strata.cuda: {self.held_before / 2**30:.2f} GiB in use on the device before the arena "
+                f"(+{MEM_MARGIN >> 20} MiB kept for the graphs): the arena may take "
+                f"{max(vram_budget_bytes, 0) / 2**30:.2f} GiB of the budget")
         self._plan_experts(W, vram_budget_bytes, self.A.total)
         self.db = Doorbell(cfg.n_embd, cfg.n_expert_used)
         self._plan_launches()
@@ -137,8 +150,10 @@ class CudaBackend:
             raise BackendError(f"CudaBackend: the arena needs {self.A.total / 2**30:.2f} GiB (+{MEM_MARGIN >> 20} MiB "
                                f"margin), the device has {free / 2**30:.2f} GiB free of {total / 2**30:.2f}")
         if vram_budget_bytes is not None and self.A.total > vram_budget_bytes:
+            held = (f" ({self.held_before / 2**30:.2f} GiB already in use on the device and {MEM_MARGIN >> 20} MiB "
+                    f"for the graphs came off it)" if self.held_before else "")
             raise BackendError(f"CudaBackend: the model needs {self.A.total / 2**30:.2f} GiB of VRAM with experts="
-                               f"{experts!r}, the budget is {vram_budget_bytes / 2**30:.2f} GiB")
+                               f"{experts!r}, the budget leaves {vram_budget_bytes / 2**30:.2f} GiB{held}")
         self.A.commit()
         self.A.zero(self.stream)
         self._upload()
@@ -152,7 +167,10 @@ class CudaBackend:
         if graphs:
             self._capture()
         self.stream.synchronize("setup")
-        log(f"strata.cuda: arena {self.A.total / 2**30:.2f} GiB, experts {experts}"
+        free, total = self.dev.mem_info()
+        self.device_in_use = total - free
+        log(f"strata.cuda: arena {self.A.total / 2**30:.2f} GiB, device memory in use {self.device_in_use / 2**30:.2f}"
+            f" GiB, experts {experts}"
             + (f" ({self.n_slots} cache slots)" if experts == "host" else "")
             + (f", {sum(g.n_nodes for g in self._g.values())} graph nodes" if graphs else ", eager launches")
             + f"; {pdl_status()}"

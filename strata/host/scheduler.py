@@ -58,8 +58,9 @@ TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's
 
 @dataclass(frozen=True)
 class HostConfig:
-    vram_budget_bytes: int = 24 << 30       # VRAM for the backend; the expert cache never holds more (and at
-                                            # most backend.expert_slots() experts)
+    vram_budget_bytes: int = 24 << 30       # CUDA: device memory in use while strata runs: its CUDA context,
+                                            # kernels, graphs and arena, and whatever else holds the GPU; the
+                                            # arena (dense weights, KV, expert cache slots) gets what is left
     host_budget_bytes: int | None = None    # expert blobs kept in RAM; None: all experts, at most half the RAM
     cpu_threads: int | None = None          # CPU expert pool; None: one per core
     io_threads: int = 8                     # expert blob reads in flight at once
