@@ -54,7 +54,10 @@ from strata.reference.model import StageDump
 F32, I32, U8 = np.float32, np.int32, np.uint8
 STEP_TOKEN, STEP_POS, STEP_RING = 0, 1, 2       # common.cuh
 POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, host parts (k, E) f32 here
-MEM_MARGIN = 512 << 20                           # device memory left free for the driver and the graphs
+# device memory left free beside the arena for the driver, the graphs and what the context takes once tokens run:
+# on the H200 the device's use grew 0.66 GiB after setup during a 24 GiB budget bench (23.51 -> 24.17 GiB with
+# 512 MiB here); with 1280 MiB it peaked at 23.42 GiB (bench/RESULTS.md, issue 6)
+MEM_MARGIN = 1280 << 20
 LOAD_STAGING = 4                                 # pinned buffers for load_expert copies in flight
 LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
 
