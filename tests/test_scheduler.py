@@ -4,6 +4,8 @@ expert mistake fails that check; the cache policy and cost split behave."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -226,6 +228,41 @@ async def test_requests_leave_no_state(tiny_sched):
         await tiny_sched.score(TOKENS[:n])
     await tiny_sched.idle()
     assert tiny_sched.live == 0 and tiny_sched.backend.live == 0
+
+
+class SlowCpu(CpuBackend):
+    """The CPU backend with every stage 20 ms long and a count of doorbell polls; `wake` False hides in_flight, so
+    the scheduler polls it as it polls a GPU."""
+
+    def __init__(self, model, wake: bool):
+        super().__init__(model)
+        self.polls = 0
+        if not wake:
+            self.in_flight = None
+
+    def _run(self, seq, fn, *args):
+        super()._run(seq, lambda: (time.sleep(0.02), fn(*args))[1])
+
+    def poll_route(self, seq, layer):
+        self.polls += 1
+        return super().poll_route(seq, layer)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wake", [True, False])
+async def test_thread_device_wakes_the_loop(wake, tiny_gguf):
+    """A device that is a thread of this process (in_flight gives the stage's future) is awaited: one poll when the
+    stage is launched and one when it ends, not a spin that would hold the GIL that thread needs. The logits stay
+    the reference's either way."""
+    model = load_model(tiny_gguf)
+    be = SlowCpu(model, wake)
+    sched = Scheduler(model, be)
+    try:
+        await assert_parity(sched, Engine.open_sync(tiny_gguf), TOKENS[:2])
+    finally:
+        await sched.aclose()
+    per_stage = be.polls / (2 * model.cfg.n_layer)
+    assert per_stage == 2 if wake else per_stage > 10, per_stage
 
 
 def test_miss_split_follows_measured_costs():

@@ -13,6 +13,8 @@
     launch_head(seq) / poll_logits    the final mixer and LM head
     max_seqs                          how many sequences may be live at once (None: no limit); the scheduler
                                       queues requests beyond it
+    in_flight(seq) -> Future|None     optional: the stage in flight as a concurrent Future, for a device that is a
+                                      thread of this process; the scheduler then awaits its end instead of polling
 
 The scheduler never touches device memory and never blocks on the device: it polls. A backend raises
 `BackendError` from any call once the device has failed; the scheduler turns it into an error on every open
@@ -114,6 +116,9 @@ class CpuBackend:
         if seq.job is not None and not seq.job.done():
             raise BackendError("a stage was launched while the previous one is still running")
         seq.job = self._worker.submit(fn, *args)
+
+    def in_flight(self, seq: _CpuSeq) -> Future | None:
+        return seq.job
 
     def _result(self, seq: _CpuSeq):
         if seq.job is None or not seq.job.done():

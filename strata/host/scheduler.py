@@ -430,14 +430,14 @@ class Scheduler:
             be.launch_pre(seq, il)
             t1 = clock()
             st.span("pre_launch", il, t0, t1)
-            route = be.poll_route(seq, il) or await self._poll(lambda: be.poll_route(seq, il), "pre", il)
+            route = be.poll_route(seq, il) or await self._poll(lambda: be.poll_route(seq, il), "pre", il, seq)
             st.span("doorbell", il, t1, clock())
             parts, resident = await self._expert_parts(il, route, st)
             t0 = clock()
             be.launch_post(seq, il, parts, resident)
             t1 = clock()
             st.span("post_launch", il, t0, t1)
-            be.post_done(seq, il) or await self._poll(lambda: be.post_done(seq, il) or None, "post", il)
+            be.post_done(seq, il) or await self._poll(lambda: be.post_done(seq, il) or None, "post", il, seq)
             st.span("post_wait", il, t1, clock())
             if req.aborted:                      # no stage in flight now: the request can go
                 raise _Aborted
@@ -447,7 +447,7 @@ class Scheduler:
         st.span("head_launch", -1, t0, t1)
         logits = be.poll_logits(seq)
         if logits is None:
-            logits = await self._poll(lambda: be.poll_logits(seq), "head", -1)
+            logits = await self._poll(lambda: be.poll_logits(seq), "head", -1, seq)
         st.span("head_wait", -1, t1, clock())
         return logits
 
@@ -470,7 +470,7 @@ class Scheduler:
             await asyncio.sleep(self._token_s - TIMER_SLACK_S)
         logits = be.poll_logits(seq)
         if logits is None:
-            logits = await self._poll(lambda: be.poll_logits(seq), "token", -1)
+            logits = await self._poll(lambda: be.poll_logits(seq), "token", -1, seq)
         t2 = clock()
         st.span("token_wait", -1, t1, t2)
         self._token_s = (t2 - t1) if self._token_s == 0 else 0.8 * self._token_s + 0.2 * min(t2 - t1, 2 * self._token_s)
@@ -537,9 +537,19 @@ class Scheduler:
             st.read("expert", blob.nbytes, *r)
 
     # ---- waiting without blocking the loop -----------------------------------------------------------------------
-    async def _poll(self, poll, stage: str, layer: int):
-        """poll() until it gives something other than None: spin on sleep(0), then back off; time out."""
+    async def _poll(self, poll, stage: str, layer: int, seq=None):
+        """poll() until it gives something other than None: spin on sleep(0), then back off; time out. A backend
+        whose device is a thread of this process (the CPU backend: in_flight(seq) gives the stage's future) wakes
+        the loop when the stage ends instead: spinning there would take the GIL from the very work it waits for."""
         t0, delay = clock(), self.poll.sleep_s
+        in_flight = getattr(self.backend, "in_flight", None)
+        fut = in_flight(seq) if in_flight is not None and seq is not None else None
+        if fut is not None:
+            # asyncio.wait never cancels what it waits on: a cancelled request leaves the stage to finish
+            await asyncio.wait([asyncio.wrap_future(fut)], timeout=self.poll.timeout_s)
+            r = poll()
+            if r is not None:
+                return r
         while True:
             waited = clock() - t0
             if waited > self.poll.timeout_s:
