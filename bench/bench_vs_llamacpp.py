@@ -17,6 +17,7 @@ configurations through that llama.cpp's own `llama-bench` built for CUDA (--llam
 the repository). Peak memory of every child: its VmHWM (host) and the device's memory in use (NVML), polled while
 it runs.
 
+CPU configuration: strata reads every expert into its host store first (as budget24 does), then a 2-token warm-up.
 GPU configurations (strata: HostConfig.experts):
     vram      every weight in VRAM: strata's whole-token graph; llama.cpp -ngl 99
     budget24  strata: a 24 GiB VRAM budget (dense weights + expert cache), every expert preloaded into host memory,
@@ -300,7 +301,10 @@ def main() -> None:
         return gpu_run(a, model, ptb, bw, jobs)
     # strata prefills token by token: a 4096-token prompt is minutes of work, measured once
     reps = {label: 1 if kind == "decode" or n > 1024 else a.repeats for label, kind, n in jobs}
-    strata = strata_measure(dict(engine="strata", model=model, backend=backend, n_decode=a.decode, vram_gib=vram),
+    # every expert read into the host store first, as on the GPU: the measurements see a warm engine (llama.cpp's
+    # mapping is warm after its own warm-up: the file is in the page cache)
+    strata = strata_measure(dict(engine="strata", model=model, backend=backend, n_decode=a.decode, vram_gib=vram,
+                                 preload=True),
                             [(label, kind, n, reps[label]) for label, kind, n in jobs], a.timeout)
     for label, kind, n in jobs:
         runs = [run_child(dict(engine="llama", model=model, kind=kind, n_prompt=n, n_decode=a.decode,
