@@ -32,16 +32,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_jobs(const GemvJob* __
     const int row0 = ((int)blockIdx.x - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
     const bool glu = J.w2 != nullptr;
 
-    Ranges R;
-    R.src[0] = J.w + (size_t)row0 * J.row_bytes;
-    R.n[0] = nrows * J.row_bytes;
-    R.dst[0] = 0;
-    R.src[1] = glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr;
-    R.n[1] = glu ? nrows * J.row_bytes2 : 0;
-    R.dst[1] = range_end(R, 0) + 16;
-    R.src[2] = R.src[3] = nullptr;
-    R.n[2] = R.n[3] = 0;
-    R.dst[2] = R.dst[3] = 0;
+    const Ranges R = ranges2(J.w + (size_t)row0 * J.row_bytes, nrows * J.row_bytes,
+                             glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr, glu ? nrows * J.row_bytes2 : 0);
     stage(R);
     __syncthreads();
 

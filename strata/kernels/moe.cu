@@ -106,16 +106,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const MoeJob* _
     if (slot < 0) return;
     const int tpg = geom_tpg(J.geom_gu), rr = geom_rr(J.geom_gu), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.F - row0);
-    Ranges R;
-    R.src[0] = J.g_base + slot * J.g_stride + (size_t)row0 * J.rb_g;
-    R.n[0] = nrows * J.rb_g;
-    R.dst[0] = 0;
-    R.src[1] = J.u_base + slot * J.u_stride + (size_t)row0 * J.rb_u;
-    R.n[1] = nrows * J.rb_u;
-    R.dst[1] = range_end(R, 0) + 16;
-    R.src[2] = R.src[3] = nullptr;
-    R.n[2] = R.n[3] = 0;
-    R.dst[2] = R.dst[3] = 0;
+    const Ranges R = ranges2(J.g_base + slot * J.g_stride + (size_t)row0 * J.rb_g, nrows * J.rb_g,
+                             J.u_base + slot * J.u_stride + (size_t)row0 * J.rb_u, nrows * J.rb_u);
     stage(R);
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
@@ -151,13 +143,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down(const MoeJob* __re
     if (slot < 0) return;
     const int tpg = geom_tpg(J.geom_d), rr = geom_rr(J.geom_d), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.E - row0);
-    Ranges R;
-    R.src[0] = J.d_base + slot * J.d_stride + (size_t)row0 * J.rb_d;
-    R.n[0] = nrows * J.rb_d;
-    R.dst[0] = 0;
-    R.src[1] = R.src[2] = R.src[3] = nullptr;
-    R.n[1] = R.n[2] = R.n[3] = 0;
-    R.dst[1] = R.dst[2] = R.dst[3] = 0;
+    const Ranges R = ranges2(J.d_base + slot * J.d_stride + (size_t)row0 * J.rb_d, nrows * J.rb_d, nullptr, 0);
     stage(R);
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;

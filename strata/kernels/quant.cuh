@@ -71,6 +71,18 @@ __device__ __forceinline__ void k_scale_min(const u8* s, int j, int& sc, int& m)
     }
 }
 
+// Q4_K / Q5_K part c's two scale groups: a = d * scale, bb = -dmin * min (the block's d, dmin at bytes 0, 2)
+__device__ __forceinline__ void k_scales(const u8* b, int c, float* a, float* bb) {
+    const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        int sc, m;
+        k_scale_min(b + 4, 2 * c + s, sc, m);
+        a[s] = d * (float)sc;
+        bb[s] = -(dmin * (float)m);
+    }
+}
+
 // ---- the formats: decode(block, part) -> q[EPP], a[G], b[G]; run(part, r) -> element of q[4r] --------------
 
 struct FQ4_0 {   // 32 el, 18 B: d, qs[16]; el j: low nibble of qs[j], el j+16: high nibble; v = (nib - 8) d
@@ -229,14 +241,7 @@ struct FQ4_K {   // 256 el, 144 B: d, dmin, scales[12], qs[128] at 16; part (c, 
                 q[4 * k + i] = ucode((w[k] >> (8 * i)) & 15u, 0.0f);
                 q[16 + 4 * k + i] = ucode((w[k] >> (8 * i + 4)) & 15u, 0.0f);
             }
-        const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-#pragma unroll
-        for (int s = 0; s < 2; s++) {
-            int sc, m;
-            k_scale_min(b + 4, 2 * c + s, sc, m);
-            a[s] = d * (float)sc;
-            bb[s] = -(dmin * (float)m);
-        }
+        k_scales(b, c, a, bb);
     }
     __device__ static int run(int p, int r) { return 64 * (p >> 1) + 16 * (p & 1) + 32 * (r >> 2) + 4 * (r & 3); }
 };
@@ -256,14 +261,7 @@ struct FQ5_K {   // 256 el, 176 B: d, dmin, scales[12], qh[32] at 16, qs[128] at
                 q[4 * k + i] = ucode(((w[k] >> (8 * i)) & 15u) | ((hb & 1u) << 4), 0.0f);
                 q[16 + 4 * k + i] = ucode(((w[k] >> (8 * i + 4)) & 15u) | ((hb & 2u) << 3), 0.0f);
             }
-        const float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-#pragma unroll
-        for (int s = 0; s < 2; s++) {
-            int sc, m;
-            k_scale_min(b + 4, 2 * c + s, sc, m);
-            a[s] = d * (float)sc;
-            bb[s] = -(dmin * (float)m);
-        }
+        k_scales(b, c, a, bb);
     }
     __device__ static int run(int p, int r) { return 64 * (p >> 1) + 16 * (p & 1) + 32 * (r >> 2) + 4 * (r & 3); }
 };
@@ -743,6 +741,21 @@ __device__ __forceinline__ int chunks16(const u8* s, int n) {
 // shared offset of src[k]'s byte 0, and the 16-aligned end of range k (where the next one may start)
 __device__ __forceinline__ int range_off(const Ranges& R, int k) { return R.dst[k] + (int)((unsigned long long)R.src[k] & 15); }
 __device__ __forceinline__ int range_end(const Ranges& R, int k) { return R.dst[k] + 16 * chunks16(R.src[k], R.n[k]); }
+
+// ranges 0 and 1 back to back from shared offset 0 (range 1 may be empty: s1 nullptr, n1 0); 2 and 3 unused
+__device__ __forceinline__ Ranges ranges2(const u8* s0, int n0, const u8* s1, int n1) {
+    Ranges R;
+    R.src[0] = s0;
+    R.n[0] = n0;
+    R.dst[0] = 0;
+    R.src[1] = s1;
+    R.n[1] = n1;
+    R.dst[1] = range_end(R, 0) + 16;
+    R.src[2] = R.src[3] = nullptr;
+    R.n[2] = R.n[3] = 0;
+    R.dst[2] = R.dst[3] = 0;
+    return R;
+}
 
 __device__ __forceinline__ void stage(const Ranges& R) {
     const int c0 = chunks16(R.src[0], R.n[0]), c1 = chunks16(R.src[1], R.n[1]), c2 = chunks16(R.src[2], R.n[2]),
