@@ -196,8 +196,7 @@ def phase_gemv() -> None:
                 slots[i].upload(np.arange(i * k, (i + 1) * k, dtype=np.int32))
                 launches += list(kmoe.expert_launches(K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"), label, cfg,
                                                       jobs[i], bank, slots[i], x, h, out))
-            per_launch_bytes = k * (2 * n_out * rb + n_in * rbd)
-            n_launch = sets                           # a launch = gate/up + down of 10 experts
+            per_launch_bytes = k * (2 * n_out * rb + n_in * rbd)   # a launch: gate/up + down of k experts
         else:
             halves = 2 if kind == "glu" else 1
             mat_bytes = n_out * rb
@@ -223,7 +222,6 @@ def phase_gemv() -> None:
                 launches.append(kgemv.gemv_launch(K.fn("gemv", "gemv_jobs"), label, tables[i],
                                                   [Job(m, x, y, w2=w2, mat=i * halves)]))
             per_launch_bytes = mat_bytes * halves
-            n_launch = copies
         reps = max(1, 24 // len(launches))
         graph = Graph(f"gemv bench {label}", stream, lambda: [l.enqueue(stream) for _ in range(reps) for l in launches])
         e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
