@@ -1,6 +1,6 @@
 """CPU quantized matvec throughput: GB/s of weight bytes streamed, next to this machine's memory bandwidth.
 
-    python bench/bench_quant.py [--threads N] [--quick] [--types Q2_0,Q4_K,Q8_0,IQ4_XS,Q6_K]
+    python bench/bench_quant.py [--threads N] [--quick] [--types Q2_0,Q4_K,Q8_0,IQ4_XS,Q6_K] [--matmul]
 
 Memory bandwidth is measured in the same run as the read rate of numpy int64 sums over a 1 GiB array
 (numpy releases the GIL in reductions), on 1 thread and on N threads splitting the array, before and
@@ -17,6 +17,11 @@ whole 256-blocks), GB/s of their weight bytes, in calls of 10 experts (one layer
 token's worth), each pass over >= 4x L3 of distinct experts. "per-matvec": the CPU pool before
 strata.quant.experts, a Python task per expert on a thread pool (matvec_prepared for gate and up, silu,
 the down activation, down); "batch": strata.quant.experts.expert_batch, one compiled call per batch.
+
+--matmul: T activation rows against one matrix that stays in cache (MATMUL_SHAPES, T in MATMUL_T), us per call and
+GFLOP/s (2 T rows K / time): T matvec calls; strata.quant.matmul (one call, its own thread count); and
+dequantize + BLAS: the matrix dequantized, each row's activation quantized and dequantized (activation_values),
+one float32 BLAS matmul (numpy's BLAS threads), all inside the timing; "BLAS only" is that last product alone.
 """
 
 from __future__ import annotations
@@ -35,15 +40,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata.quant import (QType, block_size, matvec_prepared, prepare_activation, random_blocks,  # noqa: E402
-                          row_bytes, split_rows)
-from strata.quant.experts import expert_batch  # noqa: E402
+from strata.quant import (QType, activation_values, block_size, dequantize, matvec, matvec_prepared,  # noqa: E402
+                          prepare_activation, random_blocks, row_bytes, split_rows)
+from strata.quant.experts import expert_batch, max_threads  # noqa: E402
+from strata.quant.matmul import matmul  # noqa: E402
 from strata.reference.common import silu  # noqa: E402
 
 EXPERT_SHAPES = [(640, 2560), (2560, 640)]                      # (rows, K): gate/up, down of one expert
 DENSE_SHAPES = [(10240, 2560), (2560, 6144), (248320, 2560)]    # dense projections, the output head
 EXPERT_E = 2560                                                 # hidden size of the experts' input and output
 EXPERT_BATCHES = (10, 180)                                      # one layer's routed misses; a token's (48 layers)
+MATMUL_SHAPES = [(640, 256), (256, 256), (4096, 256)]           # (rows, K) of the --matmul table
+MATMUL_T = (1, 8, 64, 512)
 
 
 def cpu_model() -> str:
@@ -156,14 +164,50 @@ def bench_experts(qt, pool, threads, target_bytes, repeats, rng):
     return E, F, per, res
 
 
+def bench_matmul(types: list[QType], repeats: int) -> None:
+    """The --matmul table (see the module doc)."""
+    rng = np.random.default_rng(0)
+    print(f"# {cpu_model()}, {os.cpu_count()} CPUs; matmul threads {max_threads()} (NUMBA_NUM_THREADS); "
+          f"{time.strftime('%Y-%m-%d')}; python bench/bench_quant.py {' '.join(sys.argv[1:])}; medians of {repeats} "
+          f"after a warm-up; load average at start {os.getloadavg()[0]:.2f}")
+    print()
+    print("| type | rows x K | T | T matvec us | GFLOP/s | matmul us | GFLOP/s | dequantize + BLAS us | GFLOP/s "
+          "| BLAS only us | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for qt in types:
+        for rows, k in MATMUL_SHAPES:
+            w = random_blocks(qt, (rows, k), rng, 0.05)
+            for t in MATMUL_T:
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                dense = dequantize(w, qt)
+                a = np.stack([activation_values(prepare_activation(r, qt)) for r in x]).astype(np.float32)
+
+                def deq_blas():
+                    xa = np.stack([activation_values(prepare_activation(r, qt)) for r in x]).astype(np.float32)
+                    return xa @ dequantize(w, qt).T
+
+                runs = (lambda: [matvec(w, qt, r) for r in x], lambda: matmul(w, qt, x), deq_blas,
+                        lambda: a @ dense.T)
+                us = [median_time(fn, repeats) * 1e6 for fn in runs]
+                flop = 2 * t * rows * k
+                print(f"| {qt.name} | {rows}x{k} | {t} | " + " | ".join(f"{u:.0f} | {flop / u / 1e3:.1f}" for u in us)
+                      + " |", flush=True)
+    print()
+    print(f"# numba threading layer {numba.threading_layer()}; load average at end {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    ap.add_argument("--quick", action="store_true", help="3 repeats instead of 7 (--matmul: 5)")
     ap.add_argument("--types", default="Q2_0,Q4_K,Q8_0,IQ4_XS,Q6_K")
+    ap.add_argument("--matmul", action="store_true", help="only the batched-rows table (threads: NUMBA_NUM_THREADS)")
     args = ap.parse_args()
     repeats = 3 if args.quick else 7
     types = [QType[t] for t in args.types.split(",")]
+    if args.matmul:
+        bench_matmul(types, 3 if args.quick else 5)
+        return
     pool = ThreadPoolExecutor(args.threads)
     rng = np.random.default_rng(0)
     target = max(128 << 20, 4 * l3_bytes())

@@ -2,20 +2,23 @@
 
     expert_batch(gate_w, up_w, down_w, ids, x, out, wt_gu=..., wt_d=...)   # stacked weights, e.g. GGUF views
     expert_batch_at(addr, x, out, F, wt_gu=..., wt_d=...)                   # experts anywhere (host blobs)
+    expert_batch_rows(addr, X, offsets, rows, out, F, wt_gu=..., wt_d=...)  # several tokens' experts at once
 
-k = experts in the batch, E = hidden size (x, out), F = expert width (gate/up rows, down's K).
+m = experts in the batch, E = hidden size (x, out), F = expert width (gate/up rows, down's K); P = (token, expert)
+pairs, expert j's in [offsets[j], offsets[j + 1]) (one token: P = m, a pair per expert).
 
-    1. gate_up (one parallel loop): x's activation once (gate and up share it), then the gate and up rows of
-       all k experts in work items of (expert, row block) that the nt threads claim in order.
-    2. h = silu(g) * u for all k in numpy: numpy's float32 exp is not libm's (numba's differs on ~40% of
+    1. gate_up (one parallel loop): each token's activation once (gate and up and all its experts share it),
+       then the gate and up rows of all m experts in work items of (expert, row block) that the nt threads
+       claim in order; an item runs its block over all of the expert's pairs while the block is in cache.
+    2. h = silu(g) * u for all P in numpy: numpy's float32 exp is not libm's (numba's differs on ~40% of
        inputs) and the result must equal reference.moe.expert_ffn bit for bit.
-    3. down (two parallel loops): each h's activation for the down type, an expert an item; then the down
-       rows of all k experts as in 1.
+    3. down (one parallel loop): each h's activation for the down type, a pair an item; then the down
+       rows of all m experts as in 1.
 
 Every row is the kernel call matvec_prepared makes, on the activation prepare_activation makes (contract
 mode), or the same dequantize + float64 dot as its exact mode: out equals the per-matvec path bit for bit
-at any thread count. The float weight types (F32 goes through BLAS in Mat) take that per-matvec path
-expert by expert (expert_one), as does a caller whose gate type differs from up's.
+at any thread count. The float weight types take that per-matvec path expert by expert (expert_one), as does
+a caller whose gate type differs from up's.
 
 Threads: numba's threading layer as numba picks it (NUMBA_THREADING_LAYER, else tbb when the `tbb` package
 is installed, else omp when the OS has libgomp.so.1, else workqueue; a plain `pip install numba` on Linux
@@ -220,18 +223,25 @@ def _prep_impl(code, x, q, d, aux, v):
         return lambda code, x, q, d, aux, v: fn(x, q, d, aux, v)
 
 
-def _call(code, w, q, d, aux, v, out, r0, r1, t, tables):
-    """out[r] = w[r] . the activation for r0 <= r < r1 (t: F16_TO_F32; tables: the kernel's)."""
+def _apply(code, w, r0, r1, q, d, aux, v, src, out, p0, p1, t, tables):
+    """out[p, r] = w[r] . activation src[p] (row src[p] of _alloc's arrays) for r0 <= r < r1 and p0 <= p < p1 (t:
+    F16_TO_F32; tables: the kernel's): one weight block for many activations while it is in cache."""
 
 
-@overload(_call, prefer_literal=True)
-def _call_impl(code, w, q, d, aux, v, out, r0, r1, t, tables):
+@overload(_apply, prefer_literal=True, inline="always")
+def _apply_impl(code, w, r0, r1, q, d, aux, v, src, out, p0, p1, t, tables):
     if (ops := _code_ops(code)) is None:
         return None
     if code.literal_value % 2:
-        return lambda code, w, q, d, aux, v, out, r0, r1, t, tables: _exact_rows(code, w, v, out, r0, r1, t, tables)
+        return (lambda code, w, r0, r1, q, d, aux, v, src, out, p0, p1, t, tables:
+                _exact_apply(code, w, r0, r1, v, src, out, p0, p1, t, tables))
     fn = ops.kern
-    return lambda code, w, q, d, aux, v, out, r0, r1, t, tables: fn(w, q, d, aux, out, r0, r1, t, *tables)
+
+    def impl(code, w, r0, r1, q, d, aux, v, src, out, p0, p1, t, tables):
+        for p in range(p0, p1):
+            a = src[p]
+            fn(w, q[a], d[a], _rows(aux, a), out[p], r0, r1, t, *tables)
+    return impl
 
 
 def _dequant(code, blocks, y, t, tables):
@@ -257,10 +267,11 @@ def _block_impl(code):
 
 
 @njit(**_JIT)
-def _exact_rows(code, w, v, out, r0, r1, t, tables):
-    """matvec_prepared's exact mode: a few rows at a time dequantized into scratch, dotted with v in float64."""
+def _exact_apply(code, w, r0, r1, v, src, out, p0, p1, t, tables):
+    """matvec_prepared's exact mode: a few rows at a time dequantized into scratch (once for all p), dotted with
+    v[src[p]] in float64."""
     bs = _block(code)
-    n, rb = v.shape[0], w.shape[1]
+    n, rb = v.shape[1], w.shape[1]
     nb = n // bs                                   # blocks per row
     step = max(1, _EXACT_CHUNK_BYTES // (4 * n))
     scratch = np.empty(min(step, r1 - r0) * n, f32)
@@ -268,7 +279,8 @@ def _exact_rows(code, w, v, out, r0, r1, t, tables):
         m = min(r1, a + step) - a
         y = scratch[:m * n]
         _dequant(code, w[a:a + m].reshape(m * nb, rb // nb), y.reshape(m * nb, bs), t, tables)
-        K.dot_rows_f64(y.reshape(m, n), v, out, a)
+        for p in range(p0, p1):
+            K.dot_rows_f64(y.reshape(m, n), v[src[p]], out[p], a)
 
 
 # ---- the two parallel phases ----------------------------------------------------------------------------------
@@ -283,52 +295,98 @@ def _claim(typingctx, counters, i):
     return types.int64(counters, i), codegen
 
 
+@intrinsic
+def _done(typingctx, counters, i):
+    """counters[i] += 1 in release order: what the calling thread wrote before is seen by a thread _wait lets on."""
+    def codegen(context, builder, sig, args):
+        ary = make_array(sig.args[0])(context, builder, args[0])
+        builder.atomic_rmw("add", builder.gep(ary.data, [args[1]]), ir.Constant(ir.IntType(64), 1), "release")
+        return context.get_dummy_value()
+    return types.none(counters, i), codegen
+
+
+@intrinsic
+def _wait(typingctx, counters, i, n):
+    """Until counters[i] >= n (acquire order), sched_yield: a thread that was preempted mid-item gets the CPU back."""
+    def codegen(context, builder, sig, args):
+        ary = make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        sched_yield = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        check, spin, past = (builder.append_basic_block(b) for b in ("check", "spin", "past"))
+        builder.branch(check)
+        builder.position_at_end(check)
+        builder.cbranch(builder.icmp_signed("<", builder.load_atomic(ptr, "acquire", 8), n), spin, past)
+        builder.position_at_end(spin)
+        builder.call(sched_yield, [])
+        builder.branch(check)
+        builder.position_at_end(past)
+        return context.get_dummy_value()
+    return types.none(counters, i, n), codegen
+
+
+@njit(inline="always", **_JIT)
+def _prep_all(code, x, used, q, d, aux, v, items):
+    """In a parallel loop: claim rows i of x (items[0]) and prepare the used ones into row i of _alloc's arrays, then
+    wait until every row is through (items[1]): a barrier inside the loop, one parallel launch less. A thread waits
+    only on rows that running threads have claimed, so no order of the threads can deadlock it."""
+    i = _claim(items, 0)
+    while i < x.shape[0]:
+        if used[i]:
+            _prep(code, x[i], q[i], d[i], _rows(aux, i), v[i])
+        _done(items, 1)
+        i = _claim(items, 0)
+    _wait(items, 1, x.shape[0])
+
+
 def _make_phases(code: int):
     """(gate_up, down) for one weight type and mode. code is a closure constant, so numba types it as a literal
     (the overloads above pick their kernels by it) and caches each code's functions on disk.
 
-    Work items are (expert, block of `per` rows), in order; each of the nt threads claims the next one until none
-    is left, so a thread that starts late (woken late, preempted) leaves its share to the others."""
+    Expert j serves pairs p in [offsets[j], offsets[j + 1]). Work items are (expert, block of `per` rows), in order;
+    each of the nt threads claims the next one until none is left, so a thread that starts late (woken late,
+    preempted) leaves its share to the others. An item applies its block to all of the expert's pairs."""
 
     @njit(parallel=_PARALLEL, **_JIT)
-    def gate_up(rb, addr, x, gu, per, t, tables, nt):
-        # addr: uint64 (k, 3), columns 0, 1: expert j's gate and up rows, uint8 (F, rb); x: (E,); gu: (2, k, F)
-        _, k, f = gu.shape
-        q, d, aux, v = _alloc(code, 1, x.shape[0])
-        _prep(code, x, q[0], d[0], _rows(aux, 0), v[0])
+    def gate_up(rb, addr, x, offsets, rows, gu, per, t, tables, nt):
+        # addr: uint64 (m, 3), columns 0, 1: expert j's gate and up rows, uint8 (F, rb); x: (T, E); offsets: (m + 1,);
+        # rows: (P,), pair p's row of x; gu: (2, P, F)
+        m, f = addr.shape[0], gu.shape[2]
+        q, d, aux, v = _alloc(code, x.shape[0], x.shape[1])
+        used = np.zeros(x.shape[0], np.bool_)
+        for p in range(rows.shape[0]):
+            used[rows[p]] = True
         nblk = -(-f // per)
-        items = np.zeros(1, np.int64)
+        items = np.zeros(3, np.int64)
         for _ in prange(nt):
-            i = _claim(items, 0)
-            while i < k * nblk:
+            _prep_all(code, x, used, q, d, aux, v, items)      # each row of x once, for all its experts
+            i = _claim(items, 2)
+            while i < m * nblk:
                 j = i // nblk
                 r0 = (i - j * nblk) * per
-                r1 = min(f, r0 + per)
-                for m in range(2):                 # one call site: each inlined kernel costs compile time
-                    _call(code, _mat(addr[j, m], f, rb), q[0], d[0], _rows(aux, 0), v[0], gu[m, j], r0, r1, t,
-                          tables)
-                i = _claim(items, 0)
+                for g in range(2):                 # one call site: each inlined kernel costs compile time
+                    _apply(code, _mat(addr[j, g], f, rb), r0, min(f, r0 + per), q, d, aux, v, rows, gu[g],
+                           offsets[j], offsets[j + 1], t, tables)
+                i = _claim(items, 2)
 
     @njit(parallel=_PARALLEL, **_JIT)
-    def down(rb, addr, h, out, per, t, tables, nt):
-        # addr column 2: expert j's down rows, uint8 (E, rb); h: (k, F); out: (k, E)
-        k, e = out.shape
-        q, d, aux, v = _alloc(code, k, h.shape[1])
-        items = np.zeros(2, np.int64)
-        for _ in prange(nt):                       # h's activations: one expert an item
-            j = _claim(items, 0)
-            while j < k:
-                _prep(code, h[j], q[j], d[j], _rows(aux, j), v[j])
-                j = _claim(items, 0)
+    def down(rb, addr, h, offsets, out, per, t, tables, nt):
+        # addr column 2: expert j's down rows, uint8 (E, rb); h: (P, F); out: (P, E)
+        m = addr.shape[0]
+        n_p, e = out.shape
+        q, d, aux, v = _alloc(code, n_p, h.shape[1])
+        own, every = np.arange(n_p), np.ones(n_p, np.bool_)
         nblk = -(-e // per)
+        items = np.zeros(3, np.int64)
         for _ in prange(nt):
-            i = _claim(items, 1)
-            while i < k * nblk:
+            _prep_all(code, h, every, q, d, aux, v, items)     # each pair's h
+            i = _claim(items, 2)
+            while i < m * nblk:
                 j = i // nblk
                 r0 = (i - j * nblk) * per
-                r1 = min(e, r0 + per)
-                _call(code, _mat(addr[j, 2], e, rb), q[j], d[j], _rows(aux, j), v[j], out[j], r0, r1, t, tables)
-                i = _claim(items, 1)
+                _apply(code, _mat(addr[j, 2], e, rb), r0, min(e, r0 + per), q, d, aux, v, own, out, offsets[j],
+                       offsets[j + 1], t, tables)
+                i = _claim(items, 2)
 
     return gate_up, down
 
@@ -381,36 +439,57 @@ def expert_batch_at(addr: np.ndarray, x: np.ndarray, out: np.ndarray, f: int, *,
     unchanged until this returns. x: float32 (E,); out: float32 (k, E) C-contiguous; quantized types only
     (batched()). n_threads: default max_threads(). The GIL is released while the phases run.
     """
+    x = np.ascontiguousarray(x, F32).reshape(1, -1)
+    k = addr.shape[0]
+    return expert_batch_rows(addr, x, np.arange(k + 1), np.zeros(k, np.int64), out, f, wt_gu=wt_gu, wt_d=wt_d,
+                             exact=exact, n_threads=n_threads)
+
+
+def expert_batch_rows(addr: np.ndarray, x: np.ndarray, offsets: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                      f: int, *, wt_gu: int, wt_d: int, exact: bool = False,
+                      n_threads: int | None = None) -> np.ndarray:
+    """out[p] = down_j @ (silu(gate_j @ x[rows[p]]) * (up_j @ x[rows[p]])) for offsets[j] <= p < offsets[j + 1]:
+    the routed experts of several tokens in one batch, each expert's weights read once for all its tokens.
+
+    addr: uint64 (m, 3) as in expert_batch_at; x: float32 (T, E); offsets: int64 (m + 1,) nondecreasing from 0 to
+    P; rows: int64 (P,) in [0, T); out: float32 (P, E) C-contiguous. out[p] is bit for bit
+    expert_batch_at(addr[j:j + 1], x[rows[p]], ...)[0]. Quantized types only (batched()).
+    """
     wt_gu, wt_d = qtype(wt_gu), qtype(wt_d)
     if not batched(wt_gu, wt_d):
         raise ValueError(f"no batched kernels for {wt_gu.name}/{wt_d.name} experts: use expert_one")
     if not HAS_AVX2:
         raise RuntimeError("strata's quantized matvec kernels need an x86-64 CPU with AVX2 and F16C")
-    x = np.ascontiguousarray(x, F32).reshape(-1)
-    k, e = addr.shape[0], x.shape[0]
-    if addr.dtype != np.uint64 or addr.shape != (k, 3) or not addr.flags.c_contiguous:
-        raise ValueError(f"addr must be uint64 (k, 3) C-contiguous, got {addr.dtype} {addr.shape}")
-    if out.dtype != F32 or out.shape != (k, e) or not out.flags.c_contiguous:
-        raise ValueError(f"out must be float32 ({k}, {e}) C-contiguous, got {out.dtype} {out.shape}")
+    x = np.ascontiguousarray(x, F32)
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    rows = np.ascontiguousarray(rows, np.int64)
+    m, n_p = addr.shape[0], rows.shape[0]
+    if x.ndim != 2:
+        raise ValueError(f"x must be float32 (T, E), got shape {x.shape}")
+    t_rows, e = x.shape
+    if addr.dtype != np.uint64 or addr.shape != (m, 3) or not addr.flags.c_contiguous:
+        raise ValueError(f"addr must be uint64 (m, 3) C-contiguous, got {addr.dtype} {addr.shape}")
+    if offsets.shape != (m + 1,) or rows.ndim != 1:
+        raise ValueError(f"offsets must be int64 ({m + 1},) and rows 1-D, got {offsets.shape} and {rows.shape}")
+    if offsets[0] != 0 or offsets[-1] != n_p or np.any(offsets[1:] < offsets[:-1]):
+        raise ValueError(f"offsets must rise from 0 to len(rows) = {n_p}, got {offsets[0]}..{offsets[-1]}")
+    if n_p and not (rows.min() >= 0 and rows.max() < t_rows):
+        raise ValueError(f"rows must lie in [0, {t_rows}), got {rows.min()}..{rows.max()}")
+    if out.dtype != F32 or out.shape != (n_p, e) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be float32 ({n_p}, {e}) C-contiguous, got {out.dtype} {out.shape}")
     rb_gu, rb_d = row_bytes(wt_gu, e), row_bytes(wt_d, f)      # ValueError unless whole blocks
-    if k == 0:
+    if n_p == 0:
         return out
-    gu = np.empty((2, k, f), F32)                              # (2, k, F): gate, up outputs; h into gu[0]
+    gu = np.empty((2, n_p, f), F32)                            # (2, P, F): gate, up outputs; h into gu[0]
     nt = max(1, min(n_threads or max_threads(), max_threads()))
     gate_up, down = _phases(wt_gu, exact)[0], _phases(wt_d, exact)[1]
     with _LAUNCH:
         numba.set_num_threads(nt)
-        gate_up(rb_gu, addr, x, gu, _rows_per_item(f, rb_gu, k, nt), F16_TO_F32, _ops(wt_gu, exact).tables, nt)
+        gate_up(rb_gu, addr, x, offsets, rows, gu, _rows_per_item(f, rb_gu, m, nt), F16_TO_F32,
+                _ops(wt_gu, exact).tables, nt)
         h = _swiglu(gu[0], gu[1])
-        down(rb_d, addr, h, out, _rows_per_item(e, rb_d, k, nt), F16_TO_F32, _ops(wt_d, exact).tables, nt)
+        down(rb_d, addr, h, offsets, out, _rows_per_item(e, rb_d, m, nt), F16_TO_F32, _ops(wt_d, exact).tables, nt)
     return out
-
-
-def _mv(w: np.ndarray, wt: QType, x: np.ndarray, exact: bool) -> np.ndarray:
-    """W x exactly as strata.model.weights.Mat computes it (F32 through BLAS)."""
-    if wt == QType.F32:
-        return (w.view(np.float32) if w.dtype == np.uint8 else w) @ x
-    return matvec(w, wt, x, exact)
 
 
 def expert_one(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray, *, wt_gu: int, wt_d: int,
@@ -419,8 +498,8 @@ def expert_one(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray
     path, and a gate type unlike up's (wt_up, default wt_gu)."""
     wt_gu, wt_d = qtype(wt_gu), qtype(wt_d)
     wt_up = wt_gu if wt_up is None else qtype(wt_up)
-    h = (silu(_mv(gate, wt_gu, x, exact)) * _mv(up, wt_up, x, exact)).astype(F32)
-    return _mv(down, wt_d, h, exact)
+    h = (silu(matvec(gate, wt_gu, x, exact)) * matvec(up, wt_up, x, exact)).astype(F32)
+    return matvec(down, wt_d, h, exact)
 
 
 def _per_expert(w: np.ndarray, n_expert: int, what: str) -> np.ndarray:
