@@ -25,7 +25,8 @@ def cmd_generate(a) -> int:
         print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     async def run() -> None:
-        host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts)
+        host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
+                          step_tokens=a.step_tokens)
         async with await Engine.open(a.model, backend=a.backend, host=host, trace=a.trace) as eng:
             async for c in eng.generate(a.prompt, params, progress=progress):
                 sys.stdout.write(c.text)
@@ -102,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--experts", default="auto", choices=["auto", "vram", "host"],
                    help="CUDA: every expert in VRAM, or experts in host memory behind a VRAM cache; auto: vram "
                         "when the budget holds every weight (default)")
-    g.add_argument("--trace", metavar="FILE", help="write per-token latency traces here (JSON lines)")
+    g.add_argument("--step-tokens", type=int, default=512,
+                   help="tokens per step at most: decode rows first, then prompt chunks (default 512; the CUDA "
+                        "backend takes 1)")
+    g.add_argument("--trace", metavar="FILE", help="write per-step latency traces here (JSON lines)")
     g.set_defaults(fn=cmd_generate)
 
-    tr = sub.add_parser("trace", help="summarize a --trace file: where each token's time went")
+    tr = sub.add_parser("trace", help="summarize a --trace file: where each step's time went")
     tr.add_argument("file")
     tr.set_defaults(fn=cmd_trace)
 

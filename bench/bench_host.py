@@ -1,4 +1,4 @@
-"""Host scheduler benchmark: decode a fixed number of tokens through the token loop and print where the time went.
+"""Host scheduler benchmark: decode a fixed number of tokens through the step loop and print where the time went.
 
     python bench/bench_host.py --model flash.gguf --backend cuda --vram-budget-gib 24 --tokens 64 --trace t.jsonl
 
@@ -79,11 +79,11 @@ async def run(a: argparse.Namespace, trace: str) -> None:
           f"({hits}/{looks}), {s.cache.uploads} uploads in all, {len(s.cache)} experts resident "
           f"({s.cache.bytes / GIB:.2f} GiB)")
     recs = load(trace)
-    measured = max(r["req"] for r in recs)               # the last request is the measured one
-    phases = summarize([r for r in recs if r["req"] == measured])
+    measured = max(row[0] for r in recs for row in r["rows"])      # the last request is the measured one
+    phases = summarize([r for r in recs if r["rows"][0][0] == measured])
     print(format_summary(phases))
     d = next((p for p in phases if p.phase == "decode"), None)
-    if d is not None:
+    if d is not None:             # one request: a decode step is one token
         print(f"host overhead: {d.host_ms:.3f} ms/token ({d.host_ms / d.ms['total']:.1%} of the wall); experts "
               f"{d.expert_bytes / 1e6:.1f} MB/token at {d.expert_bytes / d.ms['total'] / 1e6:.2f} GB/s")
     print(f"trace: {trace}")

@@ -28,6 +28,8 @@ from strata.reference.model import RefModel, StageDump
 from strata.sampling import SamplingParams
 from strata.tokenizer import Tokenizer
 
+LOGITS_CHUNK = 256        # tokens per reference step in Engine.logits: the batch amortizes each matrix's dispatch
+
 __all__ = ["Chunk", "Engine", "EngineClosed", "EngineError", "HostConfig", "PollPolicy", "Timings"]
 
 
@@ -110,15 +112,19 @@ class Engine:
         return out
 
     def logits(self, tokens: Sequence[int], dump: StageDump | None = None,
-               progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """Teacher-forced logits, float32 (n_tokens, n_vocab): position i sees tokens[:i + 1]."""
+               progress: Callable[[int, int], None] | None = None, chunk: int = LOGITS_CHUNK) -> np.ndarray:
+        """Teacher-forced logits, float32 (n_tokens, n_vocab): position i sees tokens[:i + 1]. The reference runs
+        `chunk` tokens a step (1: token by token; any chunking gives the same logits)."""
         tokens = self.check_tokens(tokens)
+        if chunk < 1:
+            raise ValueError(f"chunk = {chunk}: a step holds at least one token")
         st = self.ref.new_state(dump)
         out = np.empty((len(tokens), self.cfg.n_vocab), np.float32)
-        for i, t in enumerate(tokens):
-            out[i] = self.ref.step(st, t)
+        for a in range(0, len(tokens), chunk):
+            b = min(len(tokens), a + chunk)
+            out[a:b] = self.ref.chunk(st, tokens[a:b])
             if progress:
-                progress(i + 1, len(tokens))
+                progress(b, len(tokens))
         return out
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -134,7 +140,8 @@ class Engine:
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        progress: Callable[[int, int], None] | None = None) -> AsyncIterator[Chunk]:
         """Stream a completion: one Chunk per generated token, then a final Chunk with the finish reason.
-        `progress(done, total)` is called as prompt tokens are processed (one at a time, through the same loop)."""
+        `progress(done, total)` is called as each chunk of the prompt is processed (a chunk shares its step with
+        the other requests' rows)."""
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
         req = self.scheduler.submit(ids, params, frozenset({self.tokenizer.eos_id}))

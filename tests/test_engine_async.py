@@ -43,7 +43,7 @@ async def test_stream_chunks(eng):
     chunks = [c async for c in eng.generate("Once upon a time", GREEDY, progress=lambda d, t: seen.append((d, t)))]
     ids = eng.prompt_ids("Once upon a time")
     toks = [c.token for c in chunks[:-1]]
-    assert seen == [(i + 1, len(ids)) for i in range(len(ids))]
+    assert seen == [(len(ids), len(ids))]                 # the prompt is one chunk: one progress event
     assert [c.index for c in chunks] == list(range(7)) and len(toks) == 6
     assert all(c.prompt_tokens == len(ids) and c.finish_reason is None for c in chunks[:-1])
     last = chunks[-1]
@@ -119,19 +119,18 @@ async def test_finish_reasons(tiny_gguf):
     eos = 500
 
     class EosAtThird(CpuBackend):
-        """Forces EOS as the third generated token of every request."""
+        """Forces EOS as the third generated token of every request (one request at a time)."""
         def new_seq(self, dump=None):
-            seq = super().new_seq(dump)
-            seq.heads = 0
-            return seq
+            self.heads = 0
+            return super().new_seq(dump)
 
-        def poll_logits(self, seq):
-            out = super().poll_logits(seq)
+        def poll_logits(self):
+            out = super().poll_logits()
             if out is not None:
-                seq.heads += 1
-                if seq.heads == 4 + 2:                      # 4 prompt tokens, then generated tokens 1, 2
+                self.heads += 1
+                if self.heads == 3:                         # the prompt's step, then generated tokens 1, 2
                     out = out.copy()
-                    out[eos] = 1e9
+                    out[:, eos] = 1e9
             return out
 
     async with Engine(model, backend=EosAtThird(model)) as e:
@@ -177,11 +176,11 @@ async def test_backend_failure_reaches_every_stream(tiny_gguf):
     class DiesAtPost20(CpuBackend):
         posts = 0
 
-        def launch_post(self, seq, layer, parts, resident):
+        def launch_post(self, plan):
             self.posts += 1
             if self.posts == 20:
                 raise BackendError("device lost (injected)")
-            super().launch_post(seq, layer, parts, resident)
+            super().launch_post(plan)
 
     e = Engine(model, backend=DiesAtPost20(model))
     results = await asyncio.gather(*(tokens_of(e, p, s) for p, s in PROMPTS), return_exceptions=True)
@@ -197,8 +196,8 @@ async def test_doorbell_timeout_is_an_error(tiny_gguf):
     model = load_model(tiny_gguf)
 
     class NeverRings(CpuBackend):
-        def poll_route(self, seq, layer):
-            return None if layer == 1 else super().poll_route(seq, layer)
+        def poll_route(self, layer):
+            return None if layer == 1 else super().poll_route(layer)
 
     e = Engine(model, backend=NeverRings(model), host=HostConfig(poll=PollPolicy(spin_s=1e-3, timeout_s=0.2)))
     with pytest.raises(EngineError, match=r"pre\[1\].*did not complete") as err:

@@ -38,8 +38,9 @@ def _assert_selection_valid(rm: RefModel, tokens: list[int]) -> int:
     st, seen = rm.new_state(), []
 
     def spy(scores, k):
-        s = np.sort(scores)[::-1]
-        seen.append(s[k - 1] != s[k])
+        for row in np.atleast_2d(scores):             # one row per query past the budget
+            s = np.sort(row)[::-1]
+            seen.append(s[k - 1] != s[k])
         return select_blocks(scores, k)
 
     qsa.select_blocks, saved = spy, qsa.select_blocks

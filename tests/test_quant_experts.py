@@ -118,12 +118,13 @@ def test_pool_waves_match_reference(exact):
         f.set_result(b)                               # in host memory before the call
     pool = CpuExpertPool(max_threads(), exact)
     try:
-        job = pool.run(slices, x, futs)
+        one = np.arange(len(ids) + 1), np.zeros(len(ids), np.int64)     # a decode step: every expert serves row 0
+        job = pool.run(slices, x[None], futs, *one)
         for f, b in list(zip(futs, blobs))[2:]:
             f.set_result(b)
         res = job.result(timeout=60)
         bad = [Future(), Future()]
-        job = pool.run(slices, x, bad)
+        job = pool.run(slices, x[None], bad, np.arange(3), np.zeros(2, np.int64))
         bad[0].set_result(blobs[0])
         bad[1].set_exception(OSError("read failed"))
         with pytest.raises(OSError, match="read failed"):

@@ -12,7 +12,8 @@ import pytest_asyncio
 
 from strata.engine import Engine
 from strata.host.cells import Cells, numpy_chunks
-from strata.host.backend import CpuBackend
+from strata.host.backend import CpuBackend, ExpertPlan
+from strata.host.scheduler import EngineError
 from strata.host.experts import CpuExpertPool, ExpertBlob, ExpertSlice, MissCosts, VramCache
 from strata.host.scheduler import HostConfig, Scheduler
 from strata.model.loader import load_model
@@ -45,8 +46,8 @@ class VramOnCpu(CpuBackend):
     def expert_slots(self) -> int:
         return len(self.slots)
 
-    def resident(self, layer, ids):
-        return np.array([(layer, int(e)) in self.where for e in ids], bool)
+    def resident(self, layer, experts):
+        return np.array([(layer, int(e)) in self.where for e in experts], bool)
 
     def load_expert(self, layer, expert, slot, gate, up, down):
         if self.slots[slot] is not None:
@@ -54,16 +55,20 @@ class VramOnCpu(CpuBackend):
         self.slots[slot] = ((layer, expert), gate.copy(), up.copy(), down.copy())
         self.where[(layer, expert)] = slot
 
-    def launch_post(self, seq, layer, parts, resident):
-        parts = parts.copy()
-        lw = self.ref.w.layers[layer]
-        for j in np.flatnonzero(resident):
-            e = int(seq.pre.ids[j])
-            _, *raws = self.slots[self.where[(layer, e)]]
+    def launch_post(self, plan):
+        self.check_plan(plan)
+        parts = plan.parts.copy()
+        flat = parts.reshape(-1, parts.shape[-1])
+        k = parts.shape[1]
+        lw = self.ref.w.layers[plan.layer]
+        for u in np.flatnonzero(plan.resident):
+            e = int(plan.experts[u])
+            _, *raws = self.slots[self.where[(plan.layer, e)]]
             mats = [Mat(m.name, m.qtype, raw.view(np.float32) if m.qtype == QType.F32 else raw, m.n_out, m.n_in,
                         1, m.exact) for m, raw in zip(lw.expert(e), raws)]
-            parts[j] = expert_ffn(*mats, seq.pre.x)
-        self._run(seq, self.ref.post, seq.st, layer, seq.pre, parts)
+            p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
+            flat[p] = expert_ffn(*mats, self.pre.x[p // k])
+        self._run(self.ref.post, self.batch, plan.layer, self.pre, parts)
 
 
 class CellsOnCpu(VramOnCpu):
@@ -85,33 +90,34 @@ class CellsOnCpu(VramOnCpu):
 
 
 class WholeOnCpu(CpuBackend):
-    """The CPU twin of CudaBackend(experts="vram"): every expert resident, a token is one job (the whole-token
+    """The CPU twin of CudaBackend(experts="vram"): every expert resident, a step is one job (the whole-step
     graph) fed the PLE rows the scheduler read; no per-layer round trip may happen."""
     experts, graphs = "vram", True
 
-    def resident(self, layer, ids):
-        return np.ones(len(ids), bool)
+    def resident(self, layer, experts):
+        return np.ones(len(experts), bool)
 
-    def launch_pre(self, seq, layer):
-        raise AssertionError("the whole-token path launched a per-layer graph")
+    def launch_pre(self, layer):
+        raise AssertionError("the whole-step path launched a per-layer graph")
 
-    def decode_token(self, seq, token, ple_e):
-        if self.cfg.ple_layers and ple_e is None:
-            raise AssertionError("decode_token without the token's PLE rows")
+    def launch_whole(self, step, e):
+        if self.cfg.ple_layers and e is None:
+            raise AssertionError("launch_whole without the step's PLE rows")
+        self.begin(step)
 
-        def token_graph():
-            R = self.ref.embed(seq.st, token)
+        def step_graph():
+            R = self.R
             for il in range(self.cfg.n_layer):
-                p = self.ref.pre(seq.st, il, R, ple_e if il in self.cfg.ple_layers else None)
-                R = self.ref.post(seq.st, il, p, self.ref.experts(il, p.x, p.ids))
-            logits = self.ref.head(seq.st, R)
-            self.ref.finish_token(seq.st, token)
+                p = self.ref.pre(self.batch, il, R, e if il in self.cfg.ple_layers else None)
+                R = self.ref.post(self.batch, il, p, self.ref.experts(il, p.x, p.ids))
+            logits = self.ref.head(self.batch, R, step.logit_rows.tolist())
+            self.ref.finish(self.batch)
             return logits
-        self._run(seq, token_graph)
+        self._run(step_graph)
 
 
 async def assert_parity(sched: Scheduler, ref: Engine, tokens: list[int]) -> None:
-    got, want = await sched.score(tokens), ref.logits(tokens)
+    got, want = await sched.score(tokens), ref.logits(tokens, chunk=1)
     for i in range(len(tokens)):
         assert np.array_equal(got[i], want[i]), \
             f"position {i}: logits differ by up to {np.abs(got[i] - want[i]).max():.3g}"
@@ -150,7 +156,7 @@ async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, cel
     sched0 = Scheduler(model, CpuBackend(model))
     blob = sched0.layout.blob_bytes(0)
     await sched0.aclose()
-    host = HostConfig(vram_budget_bytes=budget_blobs * blob,
+    host = HostConfig(vram_budget_bytes=budget_blobs * blob, step_tokens=5,    # several steps: hits can follow
                       host_budget_bytes=None if host_blobs is None else host_blobs * blob)
     backend = (CellsOnCpu if cells else VramOnCpu)(model, slots)
     sched = Scheduler(model, backend, host)
@@ -175,7 +181,7 @@ async def test_whole_token_path_keeps_parity(realistic_gguf):
     model = load_model(realistic_gguf)
     sched = Scheduler(model, WholeOnCpu(model))
     try:
-        assert sched.whole_token
+        assert sched.whole
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
         assert sched.store.reads == 0
     finally:
@@ -183,43 +189,63 @@ async def test_whole_token_path_keeps_parity(realistic_gguf):
 
 
 class StaleScheduler(Scheduler):
-    """The seed's bug, injected: post[l] gets the parts computed for the previous layer (one layer stale)."""
+    """The seed's bug, injected: post[l] gets the plan made for the previous layer (one layer stale); `relabel`
+    also gives that stale plan this layer's number, so only the numbers can show the mistake."""
     held = None
+    relabel = False
 
-    async def _expert_parts(self, il, route, st):
-        parts, resident = await super()._expert_parts(il, route, st)
-        stale, self.held = self.held, parts
-        return (parts if stale is None else stale), resident
+    async def _expert_plan(self, il, route, st):
+        plan = await super()._expert_plan(il, route, st)
+        stale, self.held = self.held, plan
+        if stale is None:
+            return plan
+        if self.relabel:
+            stale = ExpertPlan(il, plan.experts, plan.offsets, plan.pairs, plan.resident, stale.parts)
+        return stale
 
 
 @pytest.mark.asyncio
-async def test_stale_experts_fail_parity(tiny_gguf):
+@pytest.mark.parametrize("relabel", [False, True])
+async def test_stale_experts_fail(relabel, tiny_gguf):
+    """A plan carries its layer and the backend checks it; a stale plan passed off as this layer's fails parity."""
     model, ref = load_model(tiny_gguf), Engine.open_sync(tiny_gguf)
-    for cls, ok in ((Scheduler, True), (StaleScheduler, False)):
-        sched = cls(model, CpuBackend(model))
-        try:
-            if ok:
+    sched = Scheduler(model, CpuBackend(model))
+    try:
+        await assert_parity(sched, ref, TOKENS[:6])
+    finally:
+        await sched.aclose()
+    sched = StaleScheduler(model, CpuBackend(model))
+    sched.relabel = relabel
+    try:
+        if relabel:
+            with pytest.raises(AssertionError, match="logits differ"):
                 await assert_parity(sched, ref, TOKENS[:6])
-            else:
-                with pytest.raises(AssertionError, match="logits differ"):
-                    await assert_parity(sched, ref, TOKENS[:6])
-        finally:
-            await sched.aclose()
+        else:
+            with pytest.raises(EngineError, match="a plan for layer 0, the step is at layer 1"):
+                await assert_parity(sched, ref, TOKENS[:6])
+    finally:
+        await sched.aclose()
 
 
 @pytest.mark.asyncio
-async def test_prompt_reads_run_ahead(tiny_sched):
-    """A prompt token's PLE rows are read a whole step early: position i's reads start before token i-1 begins."""
+async def test_prompt_reads_run_ahead(tiny_gguf):
+    """A prompt's next chunk's PLE rows are read a whole step early: chunk i+1's read starts before step i
+    begins, each chunk is read once, and a step's rows are read deduplicated in one batch."""
+    model = load_model(tiny_gguf)
+    sched = Scheduler(model, CpuBackend(model), HostConfig(step_tokens=4))
     log = []
-    be, ple = tiny_sched.backend, tiny_sched.ple
+    be, ple = sched.backend, sched.ple
     real_start, real_begin = ple.start, be.begin
-    ple.start = lambda rows: (log.append("read"), real_start(rows))[1]
-    be.begin = lambda seq, token, e: (log.append("begin"), real_begin(seq, token, e))[1]
-    await tiny_sched.score(TOKENS[:5])
-    reads = [i for i, x in enumerate(log) if x == "read"]
-    begins = [i for i, x in enumerate(log) if x == "begin"]
-    assert len(reads) == len(begins) == 5
-    assert all(reads[i] < begins[i - 1] for i in range(1, 5))
+    ple.start = lambda rows: (log.append(("read", len(rows), len(set(rows.tolist())))), real_start(rows))[1]
+    be.begin = lambda step: (log.append(("begin", step.T)), real_begin(step))[1]
+    try:
+        await assert_parity(sched, Engine.open_sync(tiny_gguf), TOKENS[:10] + [TOKENS[1]] * 4)   # 3 chunks
+    finally:
+        await sched.aclose()
+    kinds = [x[0] for x in log]
+    assert kinds == ["read", "read", "begin", "read", "begin", "read", "begin", "begin"], kinds
+    assert all(n == distinct for _, n, distinct in (x for x in log if x[0] == "read"))
+    assert [x[1] for x in log if x[0] == "begin"] == [4, 4, 4, 2]
 
 
 @pytest.mark.asyncio
@@ -240,12 +266,12 @@ class SlowCpu(CpuBackend):
         if not wake:
             self.in_flight = None
 
-    def _run(self, seq, fn, *args):
-        super()._run(seq, lambda: (time.sleep(0.02), fn(*args))[1])
+    def _run(self, fn, *args):
+        super()._run(lambda: (time.sleep(0.02), fn(*args))[1])
 
-    def poll_route(self, seq, layer):
+    def poll_route(self, layer):
         self.polls += 1
-        return super().poll_route(seq, layer)
+        return super().poll_route(layer)
 
 
 @pytest.mark.asyncio
@@ -261,22 +287,25 @@ async def test_thread_device_wakes_the_loop(wake, tiny_gguf):
         await assert_parity(sched, Engine.open_sync(tiny_gguf), TOKENS[:2])
     finally:
         await sched.aclose()
-    per_stage = be.polls / (2 * model.cfg.n_layer)
+    per_stage = be.polls / (sched._steps * model.cfg.n_layer)
     assert per_stage == 2 if wake else per_stage > 10, per_stage
 
 
 def test_miss_split_follows_measured_costs():
     c = MissCosts(2)
-    assert c.n_upload(0, 5, can_upload=False) == 0
-    assert c.n_upload(0, 5, True) == 1                      # uploads unmeasured: one, to measure
+    one = np.ones(5, np.int64)                              # five misses serving one row each
+    assert c.n_upload(0, one, can_upload=False) == 0
+    assert c.n_upload(0, one, True) == 1                    # uploads unmeasured: one, to measure
     c.observe_upload(0, 1, 0.004)                           # 4 ms per upload
-    assert c.n_upload(0, 5, True) == 4                      # CPU unmeasured: it gets one
-    c.observe_cpu(0, 2, 0.002)                              # 1 ms per expert on the CPU
-    assert c.n_upload(0, 5, True) == 1                      # max(4 x 1, 1 x 4) beats every other split
+    assert c.n_upload(0, one, True) == 4                    # CPU unmeasured: it gets one
+    c.observe_cpu(0, 2, 0.002)                              # 1 ms per (row, expert) pair on the CPU
+    assert c.n_upload(0, one, True) == 1                    # max(4 x 1, 1 x 4) beats every other split
+    # a prompt chunk: the most-used misses go up first, their rows leave the CPU's share
+    assert c.n_upload(0, np.array([40, 30, 2, 1, 1]), True) == 2     # max(4 x 1, 2 x 4) = 8 beats 36 and 12
     for _ in range(40):
         c.observe_cpu(0, 1, 0.016)                          # the CPU slows to 16 ms: estimates follow
-    assert c.n_upload(0, 5, True) == 4
-    assert c.n_upload(1, 0, True) == 0
+    assert c.n_upload(0, one, True) == 4
+    assert c.n_upload(1, one[:0], True) == 0
 
 
 def test_vram_cache_policy():
@@ -284,22 +313,23 @@ def test_vram_cache_policy():
     assert cache.place(0, 1, 100, keep={1, 2}) is not None
     assert cache.place(0, 2, 100, keep={1, 2}) is not None
     assert cache.place(0, 3, 100, keep={1, 2, 3}) is None                  # the budget, and both are in use
-    cache.record(1, [7], [False])
+    cache.record(1, np.array([7]), np.array([False]), np.array([1]))
     assert cache.place(1, 7, 100, keep={7}) is not None                    # layer 0's experts may go now
     assert len(cache) == 2 and cache.bytes == 200
     assert (0, 1) not in cache._lru and (0, 2) in cache._lru                # least recently used went first
-    cache.record(0, [2, 5], [True, False])
-    assert cache.hits[0] == 1 and cache.lookups[0] == 2 and cache.lookups[1] == 1
+    cache.record(0, np.array([2, 5]), np.array([True, False]), np.array([3, 1]))
+    assert cache.hits[0] == 3 and cache.lookups[0] == 4 and cache.lookups[1] == 1      # counted per pair
     assert cache.place(0, 9, 300, keep=set()) is None                      # larger than the whole budget
 
 
 @pytest.mark.parametrize("n_experts,threads", [(1, 4), (3, 8), (5, 2)])
 def test_cpu_pool_row_splits_match_reference(n_experts, threads):
-    """Experts of the real geometry (Q2_0, F 640, E 2560) split over rows and threads give exactly the reference
-    expert's output; blobs that arrive late (reads still running) are waited for."""
+    """Experts of the real geometry (Q2_0, F 640, E 2560), each over its own rows of a step, split over rows and
+    threads give exactly the reference expert's output on those rows; blobs that arrive late (reads still
+    running) are waited for."""
     from concurrent.futures import Future
     rng = np.random.default_rng(n_experts)
-    E, F = 2560, 640
+    E, F, T = 2560, 640, 6
     gate = ExpertSlice(QType.Q2_0, F, E, row_bytes(QType.Q2_0, E), 0, 0)
     down = ExpertSlice(QType.Q2_0, E, F, row_bytes(QType.Q2_0, F), 0, 0)
     slices = (gate, gate, down)
@@ -310,10 +340,11 @@ def test_cpu_pool_row_splits_match_reference(n_experts, threads):
             view[:] = random_blocks(QType.Q2_0, (s.rows, s.n_in), rng, 1 / np.sqrt(s.n_in))
         blobs.append(b)
         futs.append(Future())
-    x = rng.normal(size=E).astype(np.float32)
+    X = rng.normal(size=(T, E)).astype(np.float32)
+    rows = [np.sort(rng.choice(T, size=1 + e % T, replace=False)) for e in range(n_experts)]
     pool = CpuExpertPool(threads, exact=False)
     try:
-        job = pool.run(slices, x, futs)
+        job = pool.run(slices, X, futs, np.cumsum([0] + [len(r) for r in rows]), np.concatenate(rows))
         for f, b in zip(futs, blobs):
             f.set_result(b)
         res = job.result(timeout=60)
@@ -321,4 +352,5 @@ def test_cpu_pool_row_splits_match_reference(n_experts, threads):
         pool.close()
     for j, b in enumerate(blobs):
         mats = [Mat("m", QType.Q2_0, raw, s.rows, s.n_in) for raw, s in zip((b.gate, b.up, b.down), slices)]
-        assert np.array_equal(res.parts[j], expert_ffn(*mats, x)), f"expert {j}"
+        got = res.parts[res.offsets[j]:res.offsets[j + 1]]
+        assert np.array_equal(got, expert_ffn(*mats, X[rows[j]])), f"expert {j}"

@@ -19,9 +19,13 @@ def test_union_and_overlap():
     assert overlap([], [(0, 1)]) == 0
 
 
-def _record(t0: float, phase: str = "decode") -> dict:
+def _record(t0: float, rows=((1, "decode", 1, 5),)) -> dict:
     span = lambda k, a, b: [k, 0, t0 + a, t0 + b]
-    return {"event": "step", "req": 1, "pos": 0, "phase": phase, "token": 1, "t0": t0, "t1": t0 + 10,
+    pt = sum(r[2] for r in rows if r[1] == "prompt")
+    dt = sum(r[2] for r in rows if r[1] == "decode")
+    return {"event": "step", "step": 1, "kind": "mixed" if pt and dt else "prefill" if pt else "decode",
+            "T": pt + dt, "prompt_tokens": pt, "decode_tokens": dt, "rows": [list(r) for r in rows],
+            "t0": t0, "t1": t0 + 10,
             "spans": [span("pre_launch", 0, .1), span("doorbell", .1, 2), span("cpu_wait", 2, 3),
                       span("post_launch", 3, 3.1), span("post_wait", 3.1, 5), span("head_launch", 5, 5.1),
                       span("head_wait", 5.1, 6), span("sample", 6, 6.5)],
@@ -31,13 +35,26 @@ def _record(t0: float, phase: str = "decode") -> dict:
 
 def test_summary_of_known_records():
     (p,) = summarize([_record(0), _record(10)])
-    assert p.tokens == 2 and p.ms["total"] == pytest.approx(10)
+    assert p.steps == 2 and p.tokens == 2 and p.ms["total"] == pytest.approx(10)
     assert p.ms["other"] == pytest.approx(3.5)
     assert p.device_ms == pytest.approx(5.0) and p.wait_ms == pytest.approx(1.0)
     assert p.host_ms == pytest.approx(4.0)                   # sample + other: wall - device - waits
     assert p.io_ms == pytest.approx(2.0) and p.io_hidden_ms == pytest.approx(1.5)
     assert p.cpu_ms == pytest.approx(2.0) and p.cpu_hidden_ms == pytest.approx(1.0)
     assert (p.routed, p.hits, p.cpu_experts, p.fetched) == (8, 2, 4, 2) and p.expert_bytes == pytest.approx(1500)
+    assert p.tok_s == pytest.approx(100.0)                   # 2 tokens in 20 ms
+
+
+def test_summary_by_step_kind():
+    """Steps are summarized by what they carried: prompt rows only, decode rows only, or both; tok/s counts every
+    row of a kind's steps against their summed wall time."""
+    recs = [_record(0, ((1, "prompt", 30, 0),)), _record(10, ((1, "decode", 1, 30), (2, "prompt", 9, 0))),
+            _record(20, ((1, "decode", 1, 31), (2, "decode", 1, 9)))]
+    by = {p.phase: p for p in summarize(recs)}
+    assert set(by) == {"prefill", "mixed", "decode"}
+    assert by["prefill"].tok_s == pytest.approx(3000.0) and by["prefill"].prompt_tokens == 30
+    assert (by["mixed"].prompt_tokens, by["mixed"].decode_tokens, by["mixed"].tokens) == (9, 1, 10)
+    assert by["decode"].tok_s == pytest.approx(200.0)
 
 
 def test_load_names_a_broken_line(tmp_path):
@@ -55,7 +72,8 @@ async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys):
             pass
     recs = load(str(path))
     n_prompt = len(e.prompt_ids("Once upon a time"))
-    assert [r["phase"] for r in recs] == ["prompt"] * n_prompt + ["decode"] * 4
+    assert [(r["kind"], r["T"]) for r in recs] == [("prefill", n_prompt)] + [("decode", 1)] * 4
+    assert recs[0]["rows"] == [[recs[0]["rows"][0][0], "prompt", n_prompt, 0]]
     for r in recs:
         spans = r["spans"]
         assert all(r["t0"] <= a <= b <= r["t1"] for _, _, a, b in spans)
@@ -63,14 +81,17 @@ async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys):
         assert {k for k, *_ in spans} <= set(KINDS)
         assert sorted({s[1] for s in spans if s[0] == "doorbell"}) == list(range(e.cfg.n_layer))
         assert [x[0] for x in r["experts"]] == list(range(e.cfg.n_layer))
+        assert all(x[1] == r["T"] * e.cfg.n_expert_used for x in r["experts"])     # (row, expert) pairs
         assert any(x[0] == "ple" and x[1] > 0 for x in r["io"])
     for p in summarize(recs):
         parts = sum(p.ms[k] for k in KINDS) + p.ms["other"]
         assert parts == pytest.approx(p.ms["total"], abs=1e-9)
         assert p.host_ms == pytest.approx(p.ms["total"] - sum(p.ms[k] for k in DEVICE) - sum(p.ms[k] for k in WAITS))
-        assert p.cpu_experts == p.tokens * e.cfg.n_layer * e.cfg.n_expert_used     # the CPU backend: all on the CPU
+        assert p.hits == p.fetched == 0                      # the CPU backend: every distinct expert on the CPU
+        assert p.cpu_experts == sum(x[3] for r in recs if r["kind"] == p.phase for x in r["experts"]) > 0
 
     assert cli.main(["trace", str(path)]) == 0
     out = capsys.readouterr().out
     assert "other/host (residual)" in out and "total (measured wall)" in out and "hidden behind device" in out
-    assert out.count("ms/token") >= 2 and "decode: 4 tokens" in out
+    assert out.count("ms/step") >= 2 and "decode: 4 steps, 4 decoded tokens" in out
+    assert f"prefill: 1 steps, {n_prompt} prompt tokens" in out

@@ -1,84 +1,154 @@
-"""The seam between the host scheduler and a device: per sequence, per layer, `pre` then `post`.
+"""The seam between the host scheduler and a device: per step of T tokens, per layer, `pre` then `post`.
 
-    begin(seq, token, ple_e)       stage the token id and its gathered PLE vector (the host hashes and reads the rows)
-    stage_ple(seq, ple_e)          the PLE vector later than begin (which then takes None): any time before
-                                      launch_pre of the PLE layer, so the row reads overlap layer 0
-    launch_pre(seq, l)                start pre[l]: [PLE] -> gr_read -> mixer -> gr_write -> gr_read -> route
-    poll_route(seq, l) -> Route|None  the doorbell: None until pre[l] has published the route; never blocks
-    resident(l, ids) -> bool mask     which routed experts the backend computes itself (VRAM cache hits)
+A step is a flat list of T rows: runs (Segment) of consecutive tokens of one sequence each, a prompt chunk or
+one decoding token, decode rows first by the scheduler's policy. Per step:
+
+    begin(step)                       stage the rows' token ids and positions, embed them
+    stage_ple(e)                      the rows' gathered PLE vectors (T, ple_dim), any time before launch_pre of the
+                                      PLE layer, so the host's row reads overlap layer 0
+    launch_pre(l)                     start pre[l] for all T rows: [PLE] -> gr_read -> mixer -> gr_write -> gr_read
+                                      -> route
+    poll_route(l) -> Route|None       the doorbell: None until pre[l] has published the routes of all T rows;
+                                      never blocks
+    resident(l, experts) -> bool      which of these experts (U,) the backend computes itself (VRAM cache hits)
     expert_slots() -> int             how many experts fit the backend's expert cache (0: none)
     load_expert(l, e, slot, g, u, d)  copy expert e of layer l (its three raw weight slices) into a cache slot,
                                       replacing whatever the slot held; the host's cache policy picks the slot
-    launch_post(seq, l, parts, mask)  start post[l] with the host's expert outputs for the rows where mask is False
-    launch_head(seq) / poll_logits    the final mixer and LM head
-    max_seqs                          how many sequences may be live at once (None: no limit); the scheduler
-                                      queues requests beyond it
-    in_flight(seq) -> Future|None     optional: the stage in flight as a concurrent Future, for a device that is a
+    launch_post(plan)                 start post[plan.layer] with the host's expert outputs (ExpertPlan)
+    post_done(l) -> bool
+    launch_head() / poll_logits()     the final mixer and LM head, for step.logit_rows only: (L, n_vocab)
+    max_seqs                          how many sequences may be live at once (None: no limit)
+    max_step_tokens                   the most rows a step may carry (None: no limit but the scheduler's budget)
+    in_flight() -> Future|None        optional: the stage in flight as a concurrent Future, for a device that is a
                                       thread of this process; the scheduler then awaits its end instead of polling
+    launch_whole(step, e)             optional, with `experts == "vram"`: the whole step as one device job with no
+                                      host round trip (every expert resident); then poll_logits
 
 The scheduler never touches device memory and never blocks on the device: it polls. A backend raises
 `BackendError` from any call once the device has failed; the scheduler turns it into an error on every open
 stream. `CpuBackend` runs the numpy reference stages on one worker thread, with a future as the doorbell.
 What strata.host.scheduler relies on: every call comes from one thread (its event loop's); a Route's arrays are
-read before launch_post of the same layer; `parts` is a fresh array per launch_post, never touched again by the
-host; load_expert's wall time is what the host's cost model counts as an upload.
+read before launch_post of the same layer; a plan's parts are a fresh array per launch_post, never touched again
+by the host; load_expert's wall time is what the host's cost model counts as an upload; a step whose stages did
+not all run (the host failed between them) leaves its sequences unusable: the scheduler frees them.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from strata.config import ModelConfig
 from strata.model.loader import Model
-from strata.reference.model import PreOut, RefModel, SeqState, StageDump
+from strata.reference.model import Batch, PreOut, RefModel, SeqState, StageDump
+from strata.reference.moe import group_by_expert
 
 
 class BackendError(RuntimeError):
     """The device failed or stopped answering; the message says which call and why."""
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A run of one sequence's consecutive tokens in a step."""
+    seq: object                     # the backend's sequence handle
+    tokens: tuple[int, ...]
+    pos: int                        # position of tokens[0]: how many tokens the sequence was fed before
+    logits: str = "last"            # which of its rows need logits: "last", "all" (scoring) or "none"
+
+
+@dataclass(frozen=True)
+class Step:
+    """T rows: the segments' tokens in order. logit_rows: the step rows whose logits the head produces."""
+    segments: tuple[Segment, ...]
+    tokens: np.ndarray = field(init=False)          # (T,) int64
+    pos: np.ndarray = field(init=False)             # (T,) int64
+    starts: np.ndarray = field(init=False)          # (S+1,) segment s is rows starts[s]:starts[s+1]
+    logit_rows: np.ndarray = field(init=False)      # (L,) int64, ascending
+
+    def __post_init__(self):
+        if not self.segments or any(len(s.tokens) == 0 for s in self.segments):
+            raise ValueError("a step needs segments of at least one token each")
+        n = [len(s.tokens) for s in self.segments]
+        starts = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+        rows = []
+        for s, a, b in zip(self.segments, starts[:-1], starts[1:]):
+            rows += {"last": [b - 1], "all": list(range(a, b)), "none": []}[s.logits]
+        set_ = object.__setattr__
+        set_(self, "tokens", np.array([t for s in self.segments for t in s.tokens], np.int64))
+        set_(self, "pos", np.concatenate([np.arange(s.pos, s.pos + len(s.tokens)) for s in self.segments]))
+        set_(self, "starts", starts)
+        set_(self, "logit_rows", np.array(rows, np.int64))
+
+    @property
+    def T(self) -> int:
+        return len(self.tokens)
+
+
 @dataclass
 class Route:
-    """What pre[l] publishes at the doorbell."""
-    x: np.ndarray          # (E,) float32: the MoE input
-    ids: np.ndarray        # (k,) int32: routed experts, in descending probability
-    weights: np.ndarray    # (k,) float32: their renormalized weights
+    """What pre[l] publishes at the doorbell, for every row of the step."""
+    x: np.ndarray          # (T, E) float32: the MoE inputs
+    ids: np.ndarray        # (T, k) int32: routed experts, in descending probability
+    weights: np.ndarray    # (T, k) float32: their renormalized weights
+
+
+@dataclass
+class ExpertPlan:
+    """Layer `layer`'s routed experts for a whole step, grouped by expert: experts[u] serves the flat (row * k + j)
+    pairs[offsets[u]:offsets[u+1]]; resident[u]: the backend computes it (a VRAM hit); the host's outputs for every
+    other pair are in parts."""
+    layer: int
+    experts: np.ndarray    # (U,) int32 ascending
+    offsets: np.ndarray    # (U+1,) int64
+    pairs: np.ndarray      # (T*k,) int64
+    resident: np.ndarray   # (U,) bool
+    parts: np.ndarray      # (T, k, E) float32: rows of resident pairs unused
+
+    @classmethod
+    def of(cls, layer: int, ids: np.ndarray, n_embd: int) -> "ExpertPlan":
+        experts, offsets, pairs = group_by_expert(ids)
+        return cls(layer, experts, offsets, pairs, np.zeros(len(experts), bool),
+                   np.zeros((*ids.shape, n_embd), np.float32))
+
+    @property
+    def mask(self) -> np.ndarray:
+        """(T, k) bool: which (row, j) the backend computes."""
+        T, k = self.parts.shape[:2]
+        m = np.empty(T * k, bool)
+        m[self.pairs] = np.repeat(self.resident, np.diff(self.offsets))
+        return m.reshape(T, k)
 
 
 class Backend(Protocol):
     cfg: ModelConfig
     name: str
     max_seqs: int | None
+    max_step_tokens: int | None
 
     def new_seq(self, dump: StageDump | None = None) -> object: ...
     def free_seq(self, seq: object) -> None: ...
-    def begin(self, seq: object, token: int, ple_e: np.ndarray | None) -> None: ...
-    def stage_ple(self, seq: object, ple_e: np.ndarray) -> None: ...
-    def launch_pre(self, seq: object, layer: int) -> None: ...
-    def poll_route(self, seq: object, layer: int) -> Route | None: ...
-    def resident(self, layer: int, ids: np.ndarray) -> np.ndarray: ...
+    def begin(self, step: Step) -> None: ...
+    def stage_ple(self, e: np.ndarray) -> None: ...
+    def launch_pre(self, layer: int) -> None: ...
+    def poll_route(self, layer: int) -> Route | None: ...
+    def resident(self, layer: int, experts: np.ndarray) -> np.ndarray: ...
     def expert_slots(self) -> int: ...
     def load_expert(self, layer: int, expert: int, slot: int, gate: np.ndarray, up: np.ndarray,
                     down: np.ndarray) -> None: ...
-    def launch_post(self, seq: object, layer: int, parts: np.ndarray, resident: np.ndarray) -> None: ...
-    def post_done(self, seq: object, layer: int) -> bool: ...
-    def launch_head(self, seq: object) -> None: ...
-    def poll_logits(self, seq: object) -> np.ndarray | None: ...
+    def launch_post(self, plan: ExpertPlan) -> None: ...
+    def post_done(self, layer: int) -> bool: ...
+    def launch_head(self) -> None: ...
+    def poll_logits(self) -> np.ndarray | None: ...
     def close(self) -> None: ...
 
 
 @dataclass
 class _CpuSeq:
-    st: SeqState
-    R: np.ndarray | None = None
-    token: int = -1
-    ple_e: np.ndarray | None = None
-    pre: PreOut | None = None
-    job: Future | None = None        # the stage in flight on the worker thread
+    st: SeqState | None
 
 
 class CpuBackend:
@@ -89,12 +159,20 @@ class CpuBackend:
 
     name = "cpu"
     max_seqs = None
+    max_step_tokens = None
 
     def __init__(self, model: Model):
         self.cfg = model.cfg
         self.ref = RefModel(model.weights)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-device")
         self.live = 0                    # sequences between new_seq and free_seq: what a leak check counts
+        self.step: Step | None = None
+        self.batch: Batch | None = None
+        self.R: np.ndarray | None = None          # (T, hc, E) the streams between stages
+        self.ple_e: np.ndarray | None = None
+        self.pre: PreOut | None = None
+        self.layer = -1                           # the layer whose stage ran last
+        self.job: Future | None = None            # the stage in flight on the worker thread
 
     def new_seq(self, dump: StageDump | None = None) -> _CpuSeq:
         self.live += 1
@@ -103,46 +181,64 @@ class CpuBackend:
     def free_seq(self, seq: _CpuSeq) -> None:
         if seq.st is not None:
             self.live -= 1
-        seq.st = seq.R = seq.pre = seq.job = None
+        seq.st = None
 
-    def begin(self, seq: _CpuSeq, token: int, ple_e: np.ndarray | None) -> None:
-        seq.token, seq.ple_e = token, ple_e
-        seq.R = self.ref.embed(seq.st, token)
+    def begin(self, step: Step) -> None:
+        if self.job is not None and not self.job.done():
+            raise BackendError("begin: the previous step still has a stage running")
+        runs = []
+        for s in step.segments:
+            if s.seq.st is None:
+                raise BackendError("begin: a segment's sequence was freed")
+            if s.seq.st.pos != s.pos:
+                raise BackendError(f"begin: a segment starts at position {s.pos}, its sequence is at {s.seq.st.pos}")
+            runs.append((s.seq.st, s.tokens))
+        self.step, self.batch, self.job, self.pre, self.ple_e, self.layer = step, Batch.of(runs), None, None, None, -1
+        try:
+            self.R = self.ref.embed(self.batch)
+        except ValueError as e:
+            raise BackendError(f"begin: {e}") from None
 
-    def stage_ple(self, seq: _CpuSeq, ple_e: np.ndarray) -> None:
-        seq.ple_e = ple_e
+    def stage_ple(self, e: np.ndarray) -> None:
+        if e.shape != (self.batch.T, self.cfg.ple_dim):
+            raise BackendError(f"stage_ple: PLE vectors of shape {e.shape}, the step needs "
+                               f"({self.batch.T}, {self.cfg.ple_dim})")
+        self.ple_e = e
 
-    def _run(self, seq: _CpuSeq, fn, *args) -> None:
-        if seq.job is not None and not seq.job.done():
+    def _run(self, fn, *args) -> None:
+        if self.job is not None and not self.job.done():
             raise BackendError("a stage was launched while the previous one is still running")
-        seq.job = self._worker.submit(fn, *args)
+        self.job = self._worker.submit(fn, *args)
 
-    def in_flight(self, seq: _CpuSeq) -> Future | None:
-        return seq.job
+    def in_flight(self) -> Future | None:
+        return self.job
 
-    def _result(self, seq: _CpuSeq):
-        if seq.job is None or not seq.job.done():
+    def _result(self):
+        if self.job is None or not self.job.done():
             return None
         try:
-            return seq.job.result()
+            return self.job.result()
         except Exception as e:       # a failing stage is a failing device
             raise BackendError(f"cpu stage failed: {e!r}") from e
 
-    def launch_pre(self, seq: _CpuSeq, layer: int) -> None:
-        ple = seq.ple_e if layer in self.cfg.ple_layers else None
+    def launch_pre(self, layer: int) -> None:
+        if layer != self.layer + 1:
+            raise BackendError(f"launch_pre({layer}) after layer {self.layer}")
+        ple = self.ple_e if layer in self.cfg.ple_layers else None
         if layer in self.cfg.ple_layers and ple is None:
-            raise BackendError(f"pre[{layer}] launched before the token's PLE vector was staged")
-        self._run(seq, self.ref.pre, seq.st, layer, seq.R, ple)
+            raise BackendError(f"pre[{layer}] launched before the step's PLE vectors were staged")
+        self.layer = layer
+        self._run(self.ref.pre, self.batch, layer, self.R, ple)
 
-    def poll_route(self, seq: _CpuSeq, layer: int) -> Route | None:
-        p = self._result(seq)
+    def poll_route(self, layer: int) -> Route | None:
+        p = self._result()
         if p is None:
             return None
-        seq.pre, seq.job = p, None
+        self.pre, self.job = p, None
         return Route(p.x, p.ids, p.weights)
 
-    def resident(self, layer: int, ids: np.ndarray) -> np.ndarray:
-        return np.zeros(len(ids), bool)
+    def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        return np.zeros(len(experts), bool)
 
     def expert_slots(self) -> int:
         return 0
@@ -151,29 +247,40 @@ class CpuBackend:
                     down: np.ndarray) -> None:
         raise BackendError("the cpu backend has no expert cache")
 
-    def launch_post(self, seq: _CpuSeq, layer: int, parts: np.ndarray, resident: np.ndarray) -> None:
-        if resident.any():
-            raise BackendError("the cpu backend holds no experts")
-        self._run(seq, self.ref.post, seq.st, layer, seq.pre, parts)
+    def check_plan(self, plan: ExpertPlan) -> None:
+        """A plan must be for the layer whose route is out, and carry every row: the stale-expert guard."""
+        if plan.layer != self.layer or self.pre is None:
+            raise BackendError(f"launch_post: a plan for layer {plan.layer}, the step is at layer {self.layer}")
+        if plan.parts.shape != self.pre.ids.shape + (self.cfg.n_embd,):
+            raise BackendError(f"launch_post: parts of shape {plan.parts.shape} for a step of routes "
+                               f"{self.pre.ids.shape}")
 
-    def post_done(self, seq: _CpuSeq, layer: int) -> bool:
-        R = self._result(seq)
+    def launch_post(self, plan: ExpertPlan) -> None:
+        self.check_plan(plan)
+        if plan.resident.any():
+            raise BackendError("the cpu backend holds no experts")
+        self._run(self.ref.post, self.batch, plan.layer, self.pre, plan.parts)
+
+    def post_done(self, layer: int) -> bool:
+        R = self._result()
         if R is None:
             return False
-        seq.R, seq.job = R, None
+        self.R, self.job, self.pre = R, None, None
         return True
 
-    def launch_head(self, seq: _CpuSeq) -> None:
+    def launch_head(self) -> None:
         def head():
-            logits = self.ref.head(seq.st, seq.R)
-            self.ref.finish_token(seq.st, seq.token)
+            logits = self.ref.head(self.batch, self.R, self.step.logit_rows.tolist())
+            self.ref.finish(self.batch)
             return logits
-        self._run(seq, head)
+        if self.layer != self.cfg.n_layer - 1:
+            raise BackendError(f"launch_head after layer {self.layer}")
+        self._run(head)
 
-    def poll_logits(self, seq: _CpuSeq) -> np.ndarray | None:
-        out = self._result(seq)
+    def poll_logits(self) -> np.ndarray | None:
+        out = self._result()
         if out is not None:
-            seq.job = None
+            self.job, self.layer = None, -1
         return out
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """The routed experts on the host: where each lives in the GGUF, host memory for their blobs, the CPU pool that
 computes misses, and the VRAM cache policy (which expert sits in which backend slot, and CPU-or-upload per miss).
 
-A = activated experts per token (k), E = hidden size, F = expert width. One expert is three contiguous slices of
-the stacked tensors: gate (F, row_bytes), up (F, row_bytes), down (E, row_bytes), in the file's block format.
+k = activated experts per token, E = hidden size, F = expert width, T = rows in a step, P = (row, expert) pairs.
+One expert is three contiguous slices of the stacked tensors: gate (F, row_bytes), up (F, row_bytes),
+down (E, row_bytes), in the file's block format. A step's experts are grouped: each distinct expert is read,
+uploaded or computed once for all the rows that routed to it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from strata.host.ple_io import pread_into
 from strata.host.trace import clock
 from strata.model.loader import Model
 from strata.quant import QType
-from strata.quant.experts import batched, expert_batch_at, expert_one, max_threads
+from strata.model.weights import Mat
+from strata.quant.experts import batched, expert_batch_rows, max_threads
 from strata.reference.common import F32
+from strata.reference.moe import expert_ffn
 
 
 @dataclass(frozen=True)
@@ -166,22 +170,25 @@ class ExpertStore:
 
 @dataclass(frozen=True)
 class CpuResult:
-    parts: np.ndarray              # (m, E) float32: the experts' outputs, in the order they were given
+    parts: np.ndarray              # (P, E) float32: expert j's rows at offsets[j]:offsets[j+1], in the given order
+    offsets: np.ndarray            # (m+1,) int64
     blobs: list[ExpertBlob]
     t0: float                      # first batch started (trace clock)
     t1: float                      # last batch ended
 
 
 class _Batch:
-    """One layer's CPU experts in flight. Experts whose blobs are in host memory wait in `ready`; each wave on the
-    pool's thread computes all of them in one expert_batch call, until all m are done."""
+    """One layer's CPU experts in flight, each over its rows of X. Experts whose blobs are in host memory wait in
+    `ready`; each wave on the pool's thread computes all of them in one compiled call, until all m are done."""
 
-    def __init__(self, pool: "CpuExpertPool", slices, x: np.ndarray, blob_futs: list[Future]):
-        self.pool, self.slices, self.x = pool, slices, x
+    def __init__(self, pool: "CpuExpertPool", slices, X: np.ndarray, blob_futs: list[Future], offsets: np.ndarray,
+                 rows: np.ndarray):
+        self.pool, self.slices, self.X = pool, slices, X
         gate, up, down = slices
         m = len(blob_futs)
         self.compiled = batched(gate.qtype, down.qtype) and gate.qtype == up.qtype
-        self.out = np.empty((m, down.rows), F32)          # (m, E)
+        self.offsets, self.rows = offsets, rows                                # (m+1,), (P,)
+        self.out = np.empty((len(rows), down.rows), F32)                       # (P, E)
         self.blobs: list[ExpertBlob | None] = [None] * m
         self.ready: list[int] = []
         self.left = m
@@ -190,7 +197,7 @@ class _Batch:
         self.result: Future = Future()
         self.queued = True                 # no wave before every callback is attached: blobs already here go in one
         if m == 0:
-            self.result.set_result(CpuResult(self.out, [], clock(), clock()))
+            self.result.set_result(CpuResult(self.out, self.offsets, [], clock(), clock()))
         for j, f in enumerate(blob_futs):
             f.add_done_callback(lambda f, j=j: self._blob_ready(j, f))
         with self.lock:
@@ -236,23 +243,29 @@ class _Batch:
         with self.lock:
             self.left -= len(js)
             if self.left == 0 and not self.result.done():
-                self.result.set_result(CpuResult(self.out, list(self.blobs), self.t0, clock()))
+                self.result.set_result(CpuResult(self.out, self.offsets, list(self.blobs), self.t0, clock()))
 
     def _compute(self, js: list[int]) -> None:
         gate, up, down = self.slices
-        blobs = [self.blobs[j] for j in js]
-        if not self.compiled:              # float types, or gate's type unlike up's: matvec by matvec, as Mat does
-            for j, b in zip(js, blobs):
-                self.out[j] = expert_one(b.gate, b.up, b.down, self.x, wt_gu=gate.qtype, wt_up=up.qtype,
-                                         wt_d=down.qtype, exact=self.pool.exact)
+        o = self.offsets
+        if not self.compiled:              # float types, or gate's type unlike up's: Mat by Mat, as the reference
+            for j in js:
+                b = self.blobs[j]
+                mats = [Mat("expert", s.qtype, v.view(F32) if s.qtype == QType.F32 else v, s.rows, s.n_in,
+                            exact=self.pool.exact) for s, v in zip(self.slices, (b.gate, b.up, b.down))]
+                self.out[o[j]:o[j + 1]] = expert_ffn(*mats, self.X[self.rows[o[j]:o[j + 1]]])
             return
-        whole = len(js) == len(self.out)                  # js is sorted: all of them, in order
-        out = self.out if whole else np.empty((len(js), down.rows), F32)
-        addr = np.array([b.addr for b in blobs], np.uint64)          # (len(js), 3)
-        expert_batch_at(addr, self.x, out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype, exact=self.pool.exact,
-                        n_threads=self.pool.n_threads)
-        if not whole:
-            self.out[js] = out
+        addr = np.array([self.blobs[j].addr for j in js], np.uint64)                # (len(js), 3)
+        if len(js) == len(self.blobs):                    # js is sorted: all of them, in order
+            expert_batch_rows(addr, self.X, o, self.rows, self.out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype,
+                              exact=self.pool.exact, n_threads=self.pool.n_threads)
+            return
+        idx = np.concatenate([np.arange(o[j], o[j + 1]) for j in js])              # their pairs, in order
+        sub = np.concatenate([[0], np.cumsum(o[np.array(js) + 1] - o[js])]).astype(np.int64)
+        out = np.empty((len(idx), down.rows), F32)
+        expert_batch_rows(addr, self.X, sub, self.rows[idx], out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype,
+                          exact=self.pool.exact, n_threads=self.pool.n_threads)
+        self.out[idx] = out
 
 
 class CpuExpertPool:
@@ -264,9 +277,12 @@ class CpuExpertPool:
         self.n_threads, self.exact = max(1, min(n_threads, max_threads())), exact
         self.threads = ThreadPoolExecutor(1, thread_name_prefix="strata-experts")
 
-    def run(self, slices: tuple[ExpertSlice, ...], x: np.ndarray, blob_futs: list[Future]) -> Future:
-        """Outputs of the experts whose blobs `blob_futs` will give, for input x (E,): a future of CpuResult."""
-        return _Batch(self, slices, np.array(x, F32, copy=True), blob_futs).result
+    def run(self, slices: tuple[ExpertSlice, ...], X: np.ndarray, blob_futs: list[Future], offsets: np.ndarray,
+            rows: np.ndarray) -> Future:
+        """Outputs of the experts whose blobs `blob_futs` will give, expert j on the rows rows[offsets[j]:
+        offsets[j+1]] of X (T, E) (offsets int64 (m+1,), rows int64 (P,)): a future of CpuResult."""
+        return _Batch(self, slices, np.array(X, F32, copy=True), blob_futs, np.asarray(offsets, np.int64),
+                      np.asarray(rows, np.int64)).result
 
     def close(self, wait: bool = False) -> None:
         self.threads.shutdown(wait=wait, cancel_futures=True)
@@ -290,14 +306,14 @@ class VramCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def record(self, layer: int, ids: list[int], resident: list[bool]) -> None:
-        """Count a routing's hits (the backend's `resident` mask) and make them most recently used."""
-        self.lookups[layer] += len(ids)
-        n = sum(resident)
-        if n:
-            self.hits[layer] += n
-            for e, r in zip(ids, resident):
-                if r and (layer, e) in self._lru:
+    def record(self, layer: int, experts: np.ndarray, resident: np.ndarray, pairs: np.ndarray) -> None:
+        """Count a step's routing (distinct experts (U,), the backend's resident mask, each one's (row, expert)
+        pairs): hits and lookups per pair, the hits made most recently used."""
+        self.lookups[layer] += int(pairs.sum())
+        if resident.any():
+            self.hits[layer] += int(pairs[resident].sum())
+            for e in experts[resident].tolist():
+                if (layer, e) in self._lru:
                     self._lru.move_to_end((layer, e))
 
     def place(self, layer: int, expert: int, nbytes: int, keep: set[int]) -> int | None:
@@ -325,10 +341,11 @@ class VramCache:
 
 
 class MissCosts:
-    """Running per-layer estimates of what one miss costs on each path, as the scheduler measures them: the CPU
-    pool's wall time per expert, and the upload's (load_expert) time per expert. They split a layer's misses."""
+    """Running per-layer estimates of what a miss costs on each path, as the scheduler measures them: the CPU
+    pool's wall time per (row, expert) pair (its work grows with the rows an expert serves), and the upload's
+    (load_expert) time per expert (the same for any number of rows). They split a layer's misses."""
 
-    ALPHA = 0.25           # EWMA weight of the newest measurement: follows drift within a few tokens
+    ALPHA = 0.25           # EWMA weight of the newest measurement: follows drift within a few steps
 
     def __init__(self, n_layer: int):
         self.cpu_ms: list[float | None] = [None] * n_layer
@@ -337,15 +354,17 @@ class MissCosts:
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.ALPHA * (new - old)
 
-    def observe_cpu(self, layer: int, n: int, seconds: float) -> None:
-        self.cpu_ms[layer] = self._ewma(self.cpu_ms[layer], seconds * 1e3 / n)
+    def observe_cpu(self, layer: int, n_pairs: int, seconds: float) -> None:
+        self.cpu_ms[layer] = self._ewma(self.cpu_ms[layer], seconds * 1e3 / n_pairs)
 
     def observe_upload(self, layer: int, n: int, seconds: float) -> None:
         self.upload_ms[layer] = self._ewma(self.upload_ms[layer], seconds * 1e3 / n)
 
-    def n_upload(self, layer: int, n_miss: int, can_upload: bool) -> int:
-        """How many of n_miss misses to upload (the rest go to the CPU pool); both paths run at once, so the
-        split minimizes the later finish. An unmeasured path gets one miss, to measure it."""
+    def n_upload(self, layer: int, pairs: np.ndarray, can_upload: bool) -> int:
+        """How many of the misses to upload, the misses given by their pair counts in descending order (those
+        first go up; the rest to the CPU pool). Both paths run at once, so the split minimizes the later finish.
+        An unmeasured path gets one miss, to measure it."""
+        n_miss = len(pairs)
         if n_miss == 0 or not can_upload:
             return 0
         c, u = self.cpu_ms[layer], self.upload_ms[layer]
@@ -353,4 +372,6 @@ class MissCosts:
             return 1
         if c is None:
             return n_miss - 1 if n_miss > 1 else 0
-        return min(range(n_miss + 1), key=lambda k: (max((n_miss - k) * c, k * u), k))
+        left = np.concatenate([np.cumsum(pairs[::-1])[::-1], [0]])          # pairs left to the CPU after k uploads
+        cost = np.maximum(left * c, np.arange(n_miss + 1) * u)
+        return int(np.argmin(cost))

@@ -1,8 +1,9 @@
-"""PLE row reads: a token's 16 rows of `per_layer_token_embd` read from the GGUF with pread, then dequantized.
+"""PLE row reads: a step's rows of `per_layer_token_embd` (16 per token, deduplicated over the step) read from the
+GGUF with pread, then dequantized.
 
 The table (28.8 GB at the real geometry) is read by rows at their file offsets, not through the mapping, so a
-token's reads can be issued together on an I/O thread as soon as the token is known: POSIX_FADV_WILLNEED on
-every row first puts all of them in flight at once, instead of 16 reads at queue depth 1 (16 x 33 us).
+step's reads can be issued together on an I/O thread as soon as its tokens are known: POSIX_FADV_WILLNEED on
+every row first puts all of them in flight at once, instead of one read at a time at queue depth 1 (33 us each).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from strata.quant import dequantize
 
 @dataclass(frozen=True)
 class PleRows:
-    """A token's gathered vector and how its read went."""
-    e: np.ndarray          # (ple_dim,) float32: the rows dequantized, concatenated in head order
+    """Table rows read for a step, and how the read went."""
+    e: np.ndarray          # (U, row) float32: the rows, dequantized, in the order asked for
     nbytes: int
     t0: float              # trace clock, the I/O thread's view
     t1: float
@@ -51,18 +52,18 @@ class PleReader:
         self.fd = os.open(path, os.O_RDONLY)
 
     def start(self, rows: np.ndarray) -> Future:
-        """Begin reading table rows `rows` (ple_heads,); the future gives PleRows."""
+        """Begin reading table rows `rows` (U,) (a step's, deduplicated); the future gives PleRows."""
         return self.pool.submit(self.read_rows, np.asarray(rows, np.int64))
 
     def read_rows(self, rows: np.ndarray) -> PleRows:
         t0 = clock()
         offsets = [self.base + int(r) * self.row_bytes for r in rows]
-        for off in offsets:
+        for off in offsets:                  # every read in flight at once: the kernel queues them all
             os.posix_fadvise(self.fd, off, self.row_bytes, os.POSIX_FADV_WILLNEED)
-        raw = np.empty((len(rows), self.row_bytes), np.uint8)          # (ple_heads, row_bytes)
+        raw = np.empty((len(rows), self.row_bytes), np.uint8)          # (U, row_bytes)
         for i, (r, off) in enumerate(zip(rows, offsets)):
             pread_into(self.fd, raw[i], off, self.path, f"reading PLE table row {int(r)}")
-        e = dequantize(raw, self.qtype).reshape(-1).astype(np.float32, copy=False)
+        e = dequantize(raw, self.qtype).reshape(len(rows), -1).astype(np.float32, copy=False)
         return PleRows(e, raw.nbytes, t0, clock())
 
     def close(self) -> None:

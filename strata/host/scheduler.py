@@ -1,16 +1,20 @@
-"""The token loop: one driver task runs every request's token steps over a Backend, round-robin, one at a time.
+"""The step loop: one driver task packs every live request into steps over a Backend (continuous batching).
 
-One token step of one request:
-    PLE: hash the token, start its 16 row reads (a prompt token's reads start one step earlier)
-    begin(token); per layer l:
+Each step: the decoding requests' next tokens first, one row each, then prompt chunks (first come, first served)
+until the step's token budget (HostConfig.step_tokens, at most the backend's max_step_tokens) is used; a new
+request's prompt joins the running decodes at the next step. One step:
+    PLE: hash the step's tokens, start their deduplicated row reads (a prompt's next chunk is read a step early)
+    begin(step); per layer l:
         [the PLE layer: wait for the rows, stage_ple]
         launch_pre(l); poll the doorbell (spin on sleep(0), then short sleeps; a timeout is an error)
-        hits = resident(l, ids); the misses' blob reads start; misses split between the CPU pool and uploads
-        parts = the CPU pool's outputs; launch_post(l, parts, mask); poll post_done
-    launch_head; poll the logits; sample
-Layer l's parts come from layer l's route and reach post[l] before pre[l+1] is launched, and a sequence never
-has two stages in flight: the seed's stale-expert bug was post[l] combining layer l-1's experts.
+        plan the layer's experts for the whole step, grouped by expert: hits = resident(l, experts); the misses'
+        blob reads start; misses split between the CPU pool and uploads; launch_post(plan); poll post_done
+    launch_head; poll the logits of the rows that need them; sample per request
+Layer l's plan carries l and reaches post[l] before pre[l+1] is launched, and a step never has two stages in
+flight: the seed's stale-expert bug was post[l] combining layer l-1's experts.
 The scheduler never touches device memory; it calls the backend from the event loop's thread only.
+Failures: the backend's end every stream and close the engine; a step's own (an I/O error, the CPU pool) end the
+requests in that step; a request's own (its sampler) end that request only.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.host.backend import Backend, BackendError, Route
+from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PleReader
 from strata.host.trace import KINDS, StepTrace, Tracer, clock
@@ -67,12 +71,19 @@ class HostConfig:
     max_ctx: int = 8192                     # CUDA: positions the device's KV cache holds (its memory is reserved)
     experts: str = "auto"                   # CUDA: "vram" (every expert uploaded at open, one graph per token),
                                             # "host" (the cache above), "auto": vram when the budget holds them
+    step_tokens: int = 512                  # rows per step at most (decode rows, then prompt chunks); the
+                                            # backend's max_step_tokens caps it
     poll: PollPolicy = PollPolicy()
+
+    def __post_init__(self):
+        if self.step_tokens < 1:
+            raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
 
 
 @dataclass(frozen=True)
 class Timings:
-    """One request's speeds so far, and mean ms per token step by stage (trace span kinds and 'other')."""
+    """One request's speeds so far, and mean ms per step it took part in, by stage (trace span kinds and
+    'other')."""
     prefill_tok_s: float
     decode_tok_s: float
     stage_ms: dict[str, float]
@@ -100,8 +111,17 @@ class Finished:
     timings: Timings
 
 
-class _Aborted(Exception):
-    pass
+@dataclass
+class _PleRead:
+    """Table rows in flight for some steps' rows: rows (n, heads) of n tokens, read once per distinct row."""
+    rows: np.ndarray
+    inv: np.ndarray                  # (n, heads): index of each into the read's distinct rows
+    fut: Future                      # PleRows
+
+    @classmethod
+    def start(cls, reader: PleReader, rows: np.ndarray) -> "_PleRead":
+        uniq, inv = np.unique(rows, return_inverse=True)
+        return cls(rows, inv.reshape(rows.shape), reader.start(uniq))
 
 
 @dataclass(eq=False)
@@ -113,19 +133,23 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int]
     queue: asyncio.Queue
-    window: NgramWindow | None
+    window: NgramWindow | None       # the n-gram window after the tokens fed so far
     seq: object | None = None
     pos: int = 0                     # tokens fed so far
-    next_token: int = -1
+    next_token: int = -1             # decoding: the token the next step feeds
     generated: int = 0
     aborted: bool = False
     released: bool = False
-    ple_ahead: dict[int, Future] = field(default_factory=dict)   # position -> its PLE rows in flight
+    ple_ahead: tuple | None = None   # (first position, _PleRead): the prompt's next chunk's rows in flight
     t_first: float = 0.0
     t_prefill: float = 0.0
     t_last: float = 0.0
     steps: int = 0
     stage_s: dict = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
 
     async def next(self):
         """The next event for the consumer; raises the engine's error if the request failed."""
@@ -153,7 +177,8 @@ def _host_budget(layout: ExpertLayout, n_expert: int, budget: int | None) -> int
 
 
 class Scheduler:
-    """Sequences the backend's stages and the expert work for any number of requests; one driver task."""
+    """Packs every request's tokens into steps and sequences the backend's stages and the expert work; one driver
+    task."""
 
     def __init__(self, model: Model, backend: Backend, host: HostConfig = HostConfig(), tracer: Tracer | None = None,
                  exact: bool = False):
@@ -169,19 +194,21 @@ class Scheduler:
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
-        # every expert in VRAM (CudaBackend experts="vram"): a token is one graph, no per-layer host round trip
-        self._token_s = 0.0               # running estimate of the whole-token graph's time (its wait)
-        self.whole_token = (getattr(backend, "experts", None) == "vram" and getattr(backend, "graphs", False)
-                            and hasattr(backend, "decode_token"))
+        self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
+        # every expert in VRAM (CudaBackend experts="vram"): a step is one graph, no per-layer host round trip
+        self._whole_s = 0.0               # running estimate of the whole-step graph's time (its wait)
+        self.whole = (getattr(backend, "experts", None) == "vram" and getattr(backend, "graphs", False)
+                      and hasattr(backend, "launch_whole"))
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
         self.ple = PleReader(model.file.path, model.file.tensor("per_layer_token_embd.weight"),
                              ThreadPoolExecutor(1, thread_name_prefix="strata-ple")) if has_ple else None
         self.ple_layer = self.cfg.ple_layers[0] if has_ple else -1
         self._active: deque[Request] = deque()
-        self._current: Request | None = None
+        self._current: list[Request] = []         # the requests of the step in flight
         self._live: set[Request] = set()
         self._ids = 0
+        self._steps = 0
         self._driver: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -203,30 +230,34 @@ class Scheduler:
         """Queue a request (in the running event loop). params None: score the prompt, one logits row per token."""
         if self._closed is not None:
             raise EngineClosed(str(self._closed))
+        if not prompt:
+            raise ValueError("no tokens: give at least one")
+        bad = next((t for t in prompt if not 0 <= t < self.cfg.n_vocab), None)
+        if bad is not None:                      # the request's own error, before it can reach the device
+            raise ValueError(f"token id {bad} is not in [0, {self.cfg.n_vocab})")
         self._start_driver()
         self._ids += 1
         req = Request(self._ids, list(prompt), Sampler(params) if params else None,
                       params.max_tokens if params else 0, stop_ids if params and params.stop_at_eos else frozenset(),
                       asyncio.Queue(), NgramWindow.start(self.cfg) if self.ple else None)
-        req.next_token = req.prompt[0]
         self._active.append(req)
         self._idle.clear()
         self._wake.set()
         return req
 
     def abort(self, req: Request) -> None:
-        """Stop a request and free its state: now if the driver is not inside its step, else when the step's
-        current stage completes (a stage in flight is never abandoned)."""
+        """Stop a request and free its state: now if it is not in the step in flight, else when that step ends (a
+        step in flight is never abandoned: the other requests in it go on)."""
         if req.released:
             return
         req.aborted = True
-        if req is not self._current:
+        if req not in self._current:
             if req in self._active:
                 self._active.remove(req)
             self._release(req)
 
     async def score(self, tokens: list[int]) -> np.ndarray:
-        """Teacher-forced logits (n_tokens, n_vocab) float32 through the token loop."""
+        """Teacher-forced logits (n_tokens, n_vocab) float32 through the step loop."""
         req = self.submit(tokens, None)
         out = np.empty((len(tokens), self.cfg.n_vocab), F32)
         try:
@@ -240,8 +271,8 @@ class Scheduler:
             self.abort(req)
 
     async def idle(self) -> None:
-        """Return when no request is queued or running."""
-        if self._idle is not None:
+        """Return when no request is queued or running (at once after the engine closed)."""
+        if self._idle is not None and not self._shut:
             await self._idle.wait()
 
     async def aclose(self) -> None:
@@ -256,18 +287,17 @@ class Scheduler:
         self._shut = True
         if self._closed is None:
             self._closed = EngineClosed("the engine is closed")
-        for req in list(self._active) + ([self._current] if self._current else []):
-            self._deliver(req, self._closed)
+        for req in {*self._active, *self._current}:
+            self._deliver(req, EngineClosed(str(self._closed)))
             self._release(req)
         self._active.clear()
-        task, self._driver = self._driver, None
-        if task is not None and not task.done() and not task.get_loop().is_closed():
+        task = self._driver
+        if task is not None and not task.done():
             task.cancel()
-        # blobs in backend memory (pinned cells) are freed with the backend: let the CPU batch and the reads
-        # running on them finish first (milliseconds); the queued ones are cancelled
-        pinned = self.store.alloc is not None
-        self.pool.close(wait=pinned)
-        self.io.shutdown(wait=pinned, cancel_futures=True)
+        if self._idle is not None:
+            self._idle.set()
+        self.io.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
         self.backend.close()
         self.store.close()
         if self.ple:
@@ -285,57 +315,82 @@ class Scheduler:
                 return
             if not old.is_closed():
                 raise RuntimeError("this engine's driver runs on another event loop; use the engine from one loop")
-            for req in list(self._active) + ([self._current] if self._current else []):   # died with their loop
+            for req in {*self._active, *self._current}:      # died with their loop
                 self._release(req)
             self._active.clear()
-            self._current = None
+            self._current = []
         self._wake, self._idle = asyncio.Event(), asyncio.Event()
         self._driver = loop.create_task(self._drive(), name="strata-driver")
 
     async def _drive(self) -> None:
         t_free = clock()                         # where the next step's time starts: the last one's end
         while True:
-            if not self._active:
+            plan = self._plan_step()
+            if not plan:
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
                 t_free = clock()
                 continue
-            req = self._active.popleft()
-            if req.seq is None and self.backend.max_seqs is not None and self.live >= self.backend.max_seqs:
-                self._active.append(req)         # waits for a sequence; a live request is queued behind it
-                continue
-            self._current = req
+            self._current = [req for req, _, _ in plan]
             t_end = None
             try:
-                done, t_end = await self._step(req, t_free)
-            except _Aborted:
-                done = True
+                t_end = await self._step(plan, t_free)
             except BackendError as e:            # the device is gone: every stream gets it, the engine closes
-                self._fail_all(req, e)
+                self._fail(list({*self._current, *self._active}), e)
+                self._active.clear()
                 self._closed = EngineClosed(f"the engine stopped: the {self.backend.name} backend failed: {e}")
-                self._current = None
+                self._current = []
                 self.shutdown()
                 return
-            except Exception as e:               # an I/O error (or a bug): every open stream gets it
-                self._fail_all(req, e)
-                done = True
+            except Exception as e:               # the step's own failure (an I/O error, the CPU pool): its requests
+                self._fail(self._current, e)
             finally:
-                self._current = None
+                self._current = []
             t_free = t_end or clock()     # the driver's timeline stays contiguous: emitting a trace is host time
-            if done or req.aborted:
-                self._release(req)
-            else:
-                self._active.append(req)
+            for req, _, _ in plan:
+                if req.aborted:
+                    self._release(req)
+            self._active = deque(r for r in self._active if not r.released)
 
-    def _fail_all(self, req: Request, e: BaseException) -> None:
-        what = f"request {req.id} failed at position {req.pos}: {type(e).__name__}: {e}"
-        for r in [req, *self._active]:
-            err = EngineError(what if r is req else f"engine failure while serving another request ({what})")
+    def _plan_step(self) -> list[tuple[Request, list[int], str]]:
+        """This step's segments, by the policy: every decoding request's next token (round robin past the budget),
+        then prompt chunks first come first served; [(request, tokens, which logits)]."""
+        budget = self.step_tokens
+        decoding = [r for r in self._active if r.seq is not None and not r.prefilling]
+        plan = []
+        for req in decoding[:budget]:
+            plan.append((req, [req.next_token], "last"))
+        served = {id(r) for r in decoding[:budget]}
+        budget -= len(plan)
+        for req in list(self._active):
+            if budget == 0:
+                break
+            if not req.prefilling or req.aborted:
+                continue
+            if req.seq is None:
+                if self.backend.max_seqs is not None and self.live >= self.backend.max_seqs:
+                    continue                     # waits for a sequence
+                req.seq = self.backend.new_seq()
+                self._live.add(req)
+            n = min(budget, len(req.prompt) - req.pos)
+            ends = req.pos + n == len(req.prompt)
+            plan.append((req, req.prompt[req.pos:req.pos + n], "all" if req.sampler is None else
+                         "last" if ends else "none"))
+            served.add(id(req))
+            budget -= n
+        # the served go to the back: past the budget, the others get the next step
+        self._active = deque([r for r in self._active if id(r) not in served] +
+                             [r for r in self._active if id(r) in served])
+        return plan
+
+    def _fail(self, reqs: list[Request], e: BaseException) -> None:
+        """Each request gets its own error (one exception instance per stream) and is released."""
+        for r in reqs:
+            err = EngineError(f"request {r.id} failed at position {r.pos}: {type(e).__name__}: {e}")
             err.__cause__ = e
             self._deliver(r, err)
             self._release(r)
-        self._active.clear()
 
     def _deliver(self, req: Request, ev) -> None:
         if not req.released:
@@ -345,7 +400,9 @@ class Scheduler:
         if req.released:
             return
         req.released = True
-        req.ple_ahead.clear()
+        if req.ple_ahead is not None:
+            req.ple_ahead[1].fut.cancel()        # a read not started yet is dropped; one running just ends
+            req.ple_ahead = None
         if req.seq is not None:
             seq, req.seq = req.seq, None
             self._live.discard(req)
@@ -354,49 +411,66 @@ class Scheduler:
             except BackendError:
                 pass                             # a failed backend's state is gone with it
 
-    # ---- one token step ------------------------------------------------------------------------------------------
-    async def _step(self, req: Request, t0: float) -> tuple[bool, float]:
-        """Feed req.next_token; returns (whether the request is finished, when the step ended)."""
-        if req.aborted:
-            raise _Aborted
-        if req.seq is None:
-            req.seq = self.backend.new_seq()
-            self._live.add(req)
-            req.t_first = t0
-        token, pos = req.next_token, req.pos
-        st = StepTrace(req.id, pos, "prompt" if pos < len(req.prompt) else "decode", token, t0)
-        logits = await self._forward(req, token, self._ple_reads(req, pos, token), st)
-        if req.window is not None:
-            req.window.advance(self.cfg, token)
-        req.pos += 1
+    # ---- one step ------------------------------------------------------------------------------------------------
+    async def _step(self, plan: list[tuple[Request, list[int], str]], t0: float) -> float:
+        """Run one step and hand each request what it produced; returns when the step ended."""
+        self._steps += 1
+        st = StepTrace(self._steps, [[r.id, "prompt" if r.prefilling else "decode", len(t), r.pos]
+                                     for r, t, _ in plan], t0)
+        for req, _, _ in plan:
+            if not req.t_first:
+                req.t_first = t0
+        step = Step(tuple(Segment(req.seq, tuple(toks), req.pos, mode) for req, toks, mode in plan))
+        reads = self._ple_reads(plan)
+        logits = await (self._forward_whole(step, reads, st) if self.whole else self._forward(step, reads, st))
         t_s = clock()
-        if req.pos == len(req.prompt):
-            req.t_prefill = t_s
-        done = self._after_token(req, logits, t_s)
+        at = 0                                   # next row of logits
+        for (req, toks, mode), a in zip(plan, step.starts[:-1]):
+            n_logits = {"last": 1, "all": len(toks), "none": 0}[mode]
+            rows, at = logits[at:at + n_logits], at + n_logits
+            if req.window is not None:
+                req.window.advance_all(self.cfg, toks)
+            req.pos += len(toks)
+            if req.pos == len(req.prompt) and not req.t_prefill:
+                req.t_prefill = t_s
+            if not req.aborted:
+                try:
+                    done = self._after_rows(req, len(toks), rows, t_s)
+                except Exception as e:           # its own sampler: this request only
+                    self._fail([req], e)
+                    continue
+                if done:
+                    req.steps += 1
+                    self._account(req, st, t_s)
+                    self._deliver(req, Finished(done, req.generated, req.timings()))
+                    self._release(req)
+                    continue
+            req.steps += 1
+            self._account(req, st, t_s)
         st.span("sample", -1, t_s, clock())
-        st.t1 = req.t_last = clock()
-        req.steps += 1
-        req.stage_s["total"] += st.t1 - st.t0
+        st.t1 = clock()
+        self.tracer.emit(st)
+        return st.t1
+
+    @staticmethod
+    def _account(req: Request, st: StepTrace, now: float) -> None:
+        req.stage_s["total"] += now - st.t0
         for k, v in st.by_kind().items():
             req.stage_s[k] += v
-        if done:
-            self._deliver(req, Finished(done, req.generated, req.timings()))
-        self.tracer.emit(st)
-        return bool(done), st.t1
 
-    def _after_token(self, req: Request, logits: np.ndarray, now: float) -> str | None:
-        """Emit what this token produced and pick the next one; the finish reason when the request is done."""
+    def _after_rows(self, req: Request, n: int, logits: np.ndarray, now: float) -> str | None:
+        """Emit what this request's rows produced and pick its next token; the finish reason when it is done."""
         n_prompt = len(req.prompt)
-        if req.pos <= n_prompt:
+        if req.pos <= n_prompt:                              # a prompt chunk
             self._deliver(req, Progress(req.pos, n_prompt))
             if req.sampler is None:
-                self._deliver(req, TokenOut(None, req.pos - 1, logits, req.timings()))
+                for i, row in enumerate(logits):
+                    self._deliver(req, TokenOut(None, req.pos - n + i, row, req.timings()))
             if req.pos < n_prompt:
-                req.next_token = req.prompt[req.pos]
                 return None
             if req.sampler is None or req.max_tokens == 0:
                 return "length"
-        tok = req.sampler(logits)
+        tok = req.sampler(logits[-1])
         if tok in req.stop_ids:
             return "eos"
         req.t_last = now
@@ -405,108 +479,137 @@ class Scheduler:
         req.next_token = tok
         return "length" if req.generated >= req.max_tokens else None
 
-    def _ple_reads(self, req: Request, pos: int, token: int) -> Future | None:
-        """This token's PLE rows in flight; a next prompt token is already known, so its reads start now too."""
+    def _ple_reads(self, plan) -> list[tuple[_PleRead, int]] | None:
+        """Each segment's PLE rows in flight as (read, first token of it in the read); a prompt whose next chunk
+        is known has that chunk's reads started now too, a step early. Segments without such a read share one."""
         if self.ple is None:
             return None
-        fut = req.ple_ahead.pop(pos, None) or self.ple.start(ple_rows(self.cfg, token, req.window.prev))
-        if pos + 1 < len(req.prompt):
-            nxt = NgramWindow(req.window.prev)
-            nxt.advance(self.cfg, token)
-            req.ple_ahead[pos + 1] = self.ple.start(ple_rows(self.cfg, req.prompt[pos + 1], nxt.prev))
-        return fut
+        out: list = [None] * len(plan)
+        fresh, fresh_rows = [], []
+        for i, (req, toks, _) in enumerate(plan):
+            ahead, req.ple_ahead = req.ple_ahead, None
+            if ahead is not None and ahead[0] == req.pos and len(ahead[1].rows) >= len(toks):
+                out[i] = (ahead[1], 0)
+            else:
+                fresh.append(i)
+                fresh_rows.append(ple_rows(self.cfg, toks, req.window))
+        if fresh:
+            read = _PleRead.start(self.ple, np.concatenate(fresh_rows))
+            at = 0
+            for i, rows in zip(fresh, fresh_rows):
+                out[i], at = (read, at), at + len(rows)
+        for req, toks, _ in plan:                # the prompt's next chunk, at this step's chunk size
+            end = req.pos + len(toks)
+            if req.prefilling and end < len(req.prompt) and not req.aborted:
+                nxt = NgramWindow(req.window.prev)
+                nxt.advance_all(self.cfg, toks)
+                more = req.prompt[end:end + self.step_tokens]
+                req.ple_ahead = (end, _PleRead.start(self.ple, ple_rows(self.cfg, more, nxt)))
+        return out
 
-    async def _forward(self, req: Request, token: int, ple: Future | None, st: StepTrace) -> np.ndarray:
-        be, seq = self.backend, req.seq
-        if self.whole_token:
-            return await self._forward_whole(req, token, ple, st)
-        be.begin(seq, token, None)
+    async def _ple_vectors(self, step: Step, reads, st: StepTrace) -> np.ndarray:
+        """The step's gathered PLE vectors (T, ple_dim), once its reads are done."""
+        e = np.empty((step.T, self.cfg.ple_dim), F32)
+        seen = set()
+        for (read, at), a, b in zip(reads, step.starts[:-1], step.starts[1:]):
+            rows = await self._wait(read.fut, st, "ple_wait", self.ple_layer, "the PLE rows of the step")
+            if id(read) not in seen:
+                seen.add(id(read))
+                st.read("ple", rows.nbytes, rows.t0, rows.t1)
+            e[a:b] = rows.e[read.inv[at:at + b - a]].reshape(b - a, -1)
+        return e
+
+    async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
+        be = self.backend
+        t0 = clock()
+        be.begin(step)
+        st.span("pre_launch", -1, t0, clock())
         for il in range(self.cfg.n_layer):
             if il == self.ple_layer:
-                rows = await self._wait(ple, st, "ple_wait", il, f"the PLE rows of token {token}")
-                st.read("ple", rows.nbytes, rows.t0, rows.t1)
-                be.stage_ple(seq, rows.e)
+                be.stage_ple(await self._ple_vectors(step, reads, st))
             t0 = clock()
-            be.launch_pre(seq, il)
+            be.launch_pre(il)
             t1 = clock()
             st.span("pre_launch", il, t0, t1)
-            route = be.poll_route(seq, il) or await self._poll(lambda: be.poll_route(seq, il), "pre", il, seq)
+            route = be.poll_route(il) or await self._poll(lambda: be.poll_route(il), "pre", il)
             st.span("doorbell", il, t1, clock())
-            parts, resident = await self._expert_parts(il, route, st)
+            plan = await self._expert_plan(il, route, st)
             t0 = clock()
-            be.launch_post(seq, il, parts, resident)
+            be.launch_post(plan)
             t1 = clock()
             st.span("post_launch", il, t0, t1)
-            be.post_done(seq, il) or await self._poll(lambda: be.post_done(seq, il) or None, "post", il, seq)
+            be.post_done(il) or await self._poll(lambda: be.post_done(il) or None, "post", il)
             st.span("post_wait", il, t1, clock())
-            if req.aborted:                      # no stage in flight now: the request can go
-                raise _Aborted
         t0 = clock()
-        be.launch_head(seq)
+        be.launch_head()
         t1 = clock()
         st.span("head_launch", -1, t0, t1)
-        logits = be.poll_logits(seq)
+        logits = be.poll_logits()
         if logits is None:
-            logits = await self._poll(lambda: be.poll_logits(seq), "head", -1, seq)
+            logits = await self._poll(be.poll_logits, "head", -1)
         st.span("head_wait", -1, t1, clock())
         return logits
 
-    async def _forward_whole(self, req: Request, token: int, ple: Future | None, st: StepTrace) -> np.ndarray:
-        """Every expert resident in VRAM (CudaBackend experts="vram"): the token is one captured graph with no host
+    async def _forward_whole(self, step: Step, reads, st: StepTrace) -> np.ndarray:
+        """Every expert resident in VRAM (CudaBackend experts="vram"): the step is one captured graph with no host
         round trip inside it; the PLE rows are awaited first because the graph's begin copies them."""
-        be, seq = self.backend, req.seq
-        ple_e = None
-        if ple is not None:
-            rows = await self._wait(ple, st, "ple_wait", self.ple_layer, f"the PLE rows of token {token}")
-            st.read("ple", rows.nbytes, rows.t0, rows.t1)
-            ple_e = rows.e
+        be = self.backend
+        e = await self._ple_vectors(step, reads, st) if reads is not None else None
         t0 = clock()
-        be.decode_token(seq, token, ple_e)
+        be.launch_whole(step, e)
         t1 = clock()
         st.span("token_launch", -1, t0, t1)
         # the graph takes about as long as the last ones did: sleep through most of it (the loop's timers are
         # ~1 ms coarse), then poll; a backoff alone would overshoot a 9 ms graph by up to its last sleep
-        if self._token_s > 2 * TIMER_SLACK_S:
-            await asyncio.sleep(self._token_s - TIMER_SLACK_S)
-        logits = be.poll_logits(seq)
+        if self._whole_s > 2 * TIMER_SLACK_S:
+            await asyncio.sleep(self._whole_s - TIMER_SLACK_S)
+        logits = be.poll_logits()
         if logits is None:
-            logits = await self._poll(lambda: be.poll_logits(seq), "token", -1, seq)
+            logits = await self._poll(be.poll_logits, "token", -1)
         t2 = clock()
         st.span("token_wait", -1, t1, t2)
-        self._token_s = (t2 - t1) if self._token_s == 0 else 0.8 * self._token_s + 0.2 * min(t2 - t1, 2 * self._token_s)
-        if req.aborted:
-            raise _Aborted
+        self._whole_s = (t2 - t1) if self._whole_s == 0 else \
+            0.8 * self._whole_s + 0.2 * min(t2 - t1, 2 * self._whole_s)
         return logits
 
-    async def _expert_parts(self, il: int, route: Route, st: StepTrace) -> tuple[np.ndarray, np.ndarray]:
-        """Layer il's routed experts: VRAM hits stay with the backend, misses go to the CPU pool or get uploaded.
-        Returns (parts (k, E) float32: the CPU rows filled, resident (k,) bool) for launch_post(il)."""
-        be = self.backend
-        hit = np.asarray(be.resident(il, route.ids), bool)           # (k,)
-        ids, hits = route.ids.tolist(), hit.tolist()
-        self.cache.record(il, ids, hits)
-        parts = np.zeros((len(ids), self.cfg.n_embd), F32)           # (k, E): rows of resident experts unused
-        miss = [j for j, h in enumerate(hits) if not h]
-        if not miss:
-            st.layer_experts(il, len(ids), len(ids), 0, 0, 0, 0)
-            return parts, hit
-        blobs = {j: self.store.fetch(il, ids[j]) for j in miss}      # reads start as soon as the route is known
-        up: list[tuple[int, int]] = []                                # (row, slot)
-        for j in miss[:self.costs.n_upload(il, len(miss), self.cache.slots > 0)]:
-            slot = self.cache.place(il, ids[j], self.layout.blob_bytes(il), set(ids))
+    async def _expert_plan(self, il: int, route: Route, st: StepTrace) -> ExpertPlan:
+        """Layer il's routed experts for the step, grouped by expert: VRAM hits stay with the backend, each miss is
+        read once, then computed by the CPU pool over its rows or uploaded. The plan for launch_post(il)."""
+        be, k = self.backend, self.cfg.n_expert_used
+        plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
+        pairs = np.diff(plan.offsets)                                 # (U,) rows each expert serves
+        hit = np.asarray(be.resident(il, plan.experts), bool)         # (U,)
+        self.cache.record(il, plan.experts, hit, pairs)
+        n_routed = int(pairs.sum())
+        miss = np.flatnonzero(~hit)
+        if not miss.size:
+            plan.resident = hit
+            st.layer_experts(il, n_routed, len(hit), 0, 0, 0, 0)
+            return plan
+        experts = plan.experts.tolist()
+        blobs = {u: self.store.fetch(il, experts[u]) for u in miss.tolist()}   # reads start as soon as routed
+        miss = miss[np.argsort(-pairs[miss], kind="stable")]          # the most-used misses are uploaded first
+        up: list[tuple[int, int]] = []                                # (expert index u, slot)
+        keep = set(experts)
+        for u in miss[:self.costs.n_upload(il, pairs[miss], self.cache.slots > 0)].tolist():
+            slot = self.cache.place(il, experts[u], self.layout.blob_bytes(il), keep)
             if slot is None:
                 break
-            up.append((j, slot))
-        cpu = miss[len(up):]
+            up.append((u, slot))
+        on_cpu = ~hit
+        on_cpu[[u for u, _ in up]] = False
+        cpu = np.flatnonzero(on_cpu).tolist()
+        cpu_pairs = plan.pairs[np.repeat(on_cpu, pairs)]             # their (row * k + j) pairs, expert by expert
         t_cpu = clock()
-        job = self.pool.run(self.layout.layers[il], route.x, [blobs[j] for j in cpu]) if cpu else None
+        job = self.pool.run(self.layout.layers[il], route.x, [blobs[u] for u in cpu],
+                            np.concatenate([[0], np.cumsum(pairs[on_cpu])]), cpu_pairs // k) if cpu else None
 
         fetched_bytes, t_up = 0, clock()
-        for j, slot in up:
-            blob = await self._wait(blobs[j], st, "io_wait", il, f"expert {ids[j]} of layer {il}")
+        for u, slot in up:
+            blob = await self._wait(blobs[u], st, "io_wait", il, f"expert {experts[u]} of layer {il}")
             self._trace_read(st, blob)
             t0 = clock()
-            be.load_expert(il, ids[j], slot, blob.gate, blob.up, blob.down)
+            be.load_expert(il, experts[u], slot, blob.gate, blob.up, blob.down)
             st.span("upload", il, t0, clock())
             fetched_bytes += blob.nbytes
         if up:
@@ -515,20 +618,21 @@ class Scheduler:
         cpu_bytes = 0
         if job is not None:
             res = await self._wait(job, st, "cpu_wait", il, f"the CPU experts of layer {il}")
-            parts[cpu] = res.parts
-            self.costs.observe_cpu(il, len(cpu), res.t1 - t_cpu)
+            plan.parts.reshape(-1, self.cfg.n_embd)[cpu_pairs] = res.parts
+            self.costs.observe_cpu(il, len(cpu_pairs), res.t1 - t_cpu)
             cpu_bytes = sum(b.nbytes for b in res.blobs)
             st.cpu_batch(il, len(cpu), cpu_bytes, res.t0, res.t1)
             for b in res.blobs:
                 self._trace_read(st, b)
         if up:
-            hit = np.asarray(be.resident(il, route.ids), bool)
-            lost = [ids[j] for j, _ in up if not hit[j]]
+            hit = np.asarray(be.resident(il, plan.experts), bool)
+            lost = [experts[u] for u, _ in up if not hit[u]]
             if lost:
                 raise BackendError(f"layer {il}: experts {lost} were uploaded but the {be.name} backend does not "
                                    f"report them resident")
-        st.layer_experts(il, len(ids), len(ids) - len(miss), len(cpu), len(up), cpu_bytes, fetched_bytes)
-        return parts, hit
+        plan.resident = hit
+        st.layer_experts(il, n_routed, len(hit) - len(miss), len(cpu), len(up), cpu_bytes, fetched_bytes)
+        return plan
 
     @staticmethod
     def _trace_read(st: StepTrace, blob) -> None:
@@ -537,13 +641,13 @@ class Scheduler:
             st.read("expert", blob.nbytes, *r)
 
     # ---- waiting without blocking the loop -----------------------------------------------------------------------
-    async def _poll(self, poll, stage: str, layer: int, seq=None):
+    async def _poll(self, poll, stage: str, layer: int):
         """poll() until it gives something other than None: spin on sleep(0), then back off; time out. A backend
-        whose device is a thread of this process (the CPU backend: in_flight(seq) gives the stage's future) wakes
+        whose device is a thread of this process (the CPU backend: in_flight() gives the stage's future) wakes
         the loop when the stage ends instead: spinning there would take the GIL from the very work it waits for."""
         t0, delay = clock(), self.poll.sleep_s
         in_flight = getattr(self.backend, "in_flight", None)
-        fut = in_flight(seq) if in_flight is not None and seq is not None else None
+        fut = in_flight() if in_flight is not None else None
         if fut is not None:
             # asyncio.wait never cancels what it waits on: a cancelled request leaves the stage to finish
             await asyncio.wait([asyncio.wrap_future(fut)], timeout=self.poll.timeout_s)

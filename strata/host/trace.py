@@ -1,16 +1,20 @@
-"""Latency traces of the token loop: one structlog JSON line per token step, and the table `cli.py trace` prints.
+"""Latency traces of the step loop: one structlog JSON line per step, and the table `cli.py trace` prints.
 
 A step record partitions the driver's timeline. The driver awaits one thing at a time, so its spans (the pre and
 post graphs, the doorbell, the waits for I/O, the CPU pool and uploads, sampling) never overlap, and the table's
 residual 'other/host' makes the parts sum to the step's wall time exactly. I/O reads and CPU-pool batches run
 in threads beside the driver; their intervals are listed separately and the summary measures how much of them
 overlapped a device interval (hidden work). Times are ms since the process's trace origin, rounded to 1 us.
+A step carries T rows: prompt chunks and decoding tokens of any number of requests; its kind is "prefill" (prompt
+rows only), "decode" (decode rows only) or "mixed".
 
-    {"event": "step", "req": 1, "pos": 3, "phase": "prompt" | "decode", "token": 17, "t0": ms, "t1": ms,
+    {"event": "step", "step": 7, "kind": "prefill" | "decode" | "mixed", "T": 96, "prompt_tokens": 64,
+     "decode_tokens": 32, "rows": [[req, "prompt" | "decode", n_tokens, first_pos], ...], "t0": ms, "t1": ms,
      "spans":   [[kind, layer, t0, t1], ...],                          # the driver, in order; layer -1: none
      "io":      [[kind ("ple" | "expert"), bytes, t0, t1], ...],       # reads, measured in the I/O threads
      "cpu":     [[layer, n_experts, weight_bytes, t0, t1], ...],       # CPU-pool batches, first start to last end
-     "experts": [[layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes], ...]}
+     "experts": [[layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes], ...]}   # routed: (row, expert)
+                                                                       # pairs; hits/cpu/fetched: distinct experts
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ LABELS = {
     "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
     "post_launch": "post graph: launch", "post_wait": "post graph: wait", "head_launch": "head: launch",
     "head_wait": "head: wait", "token_launch": "whole-token graph: launch",
-    "token_wait": "whole-token graph: wait", "sample": "sample + detokenize", "other": "other/host (residual)",
+    "token_wait": "whole-token graph: wait", "sample": "sample + deliver", "other": "other/host (residual)",
 }
 
 
@@ -54,11 +58,9 @@ def _ms(t: float) -> float:
 
 @dataclass
 class StepTrace:
-    """What one token step of one request did; filled by the driver, emitted when the step ends."""
-    req: int
-    pos: int
-    phase: str
-    token: int
+    """What one step did; filled by the driver, emitted when the step ends."""
+    step: int
+    rows: list                  # [req, "prompt" | "decode", n_tokens, first_pos] per segment
     t0: float
     t1: float = 0.0
     # clock seconds while the step runs (the hot path appends only); ms when recorded
@@ -66,6 +68,19 @@ class StepTrace:
     io: list = field(default_factory=list)        # (kind, bytes, t0, t1)
     cpu: list = field(default_factory=list)       # (layer, n, bytes, t0, t1)
     experts: list = field(default_factory=list)   # (layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r[2] for r in self.rows if r[1] == "prompt")
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(r[2] for r in self.rows if r[1] == "decode")
+
+    @property
+    def kind(self) -> str:
+        p, d = self.prompt_tokens, self.decode_tokens
+        return "mixed" if p and d else "prefill" if p else "decode"
 
     def span(self, kind: str, layer: int, t0: float, t1: float) -> None:
         self.spans.append((kind, layer, t0, t1))
@@ -88,8 +103,10 @@ class StepTrace:
         return out
 
     def record(self) -> dict:
-        return {"req": self.req, "pos": self.pos, "phase": self.phase, "token": self.token, "t0": _ms(self.t0),
-                "t1": _ms(self.t1), "spans": [[k, l, _ms(a), _ms(b)] for k, l, a, b in self.spans],
+        return {"step": self.step, "kind": self.kind, "T": self.prompt_tokens + self.decode_tokens,
+                "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
+                "rows": [list(r) for r in self.rows], "t0": _ms(self.t0), "t1": _ms(self.t1),
+                "spans": [[k, l, _ms(a), _ms(b)] for k, l, a, b in self.spans],
                 "io": [[k, n, _ms(a), _ms(b)] for k, n, a, b in self.io],
                 "cpu": [[l, n, b, _ms(t0), _ms(t1)] for l, n, b, t0, t1 in self.cpu],
                 "experts": [list(e) for e in self.experts]}
@@ -160,29 +177,37 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
 
 @dataclass
 class PhaseSummary:
-    phase: str
-    tokens: int
-    ms: dict[str, float]          # mean ms per token by span kind, plus "other" and "total"
-    device_ms: float
+    phase: str                    # the step kind: prefill | decode | mixed
+    steps: int
+    tokens: int                   # rows fed (prompt + decode)
+    prompt_tokens: int
+    decode_tokens: int
+    wall_ms: float                # the steps' wall time, summed
+    ms: dict[str, float]          # mean ms per step by span kind, plus "other" and "total"
+    device_ms: float              # per step, like the rest below
     wait_ms: float
-    host_ms: float                # total - device - waits: the Python host overhead per token
-    io_ms: float                  # per token: time some read was in flight
+    host_ms: float                # total - device - waits: the Python host overhead per step
+    io_ms: float                  # time some read was in flight
     io_hidden_ms: float           # ... of which a device interval was running
     io_bytes: float
-    cpu_ms: float                 # per token: time the CPU pool was busy
+    cpu_ms: float                 # time the CPU pool was busy
     cpu_hidden_ms: float
-    routed: int
-    hits: int
+    routed: int                   # (row, expert) pairs, all steps
+    hits: int                     # distinct experts per layer per step, summed: VRAM hits, CPU pool, uploaded
     cpu_experts: int
     fetched: int
-    expert_bytes: float           # per token: weight bytes the CPU pool read plus bytes uploaded
+    expert_bytes: float           # per step: weight bytes the CPU pool read plus bytes uploaded
+
+    @property
+    def tok_s(self) -> float:
+        return 1e3 * self.tokens / self.wall_ms if self.wall_ms > 0 else 0.0
 
 
 def summarize(records: list[dict]) -> list[PhaseSummary]:
     device = union((s[2], s[3]) for r in records for s in r["spans"] if s[0] in DEVICE)
     out = []
-    for phase in ("prompt", "decode"):
-        rs = [r for r in records if r["phase"] == phase]
+    for phase in ("prefill", "decode", "mixed"):
+        rs = [r for r in records if r["kind"] == phase]
         if not rs:
             continue
         n = len(rs)
@@ -199,8 +224,9 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
         io_u = union((x[2], x[3]) for r in rs for x in r["io"])
         cpu_u = union((x[3], x[4]) for r in rs for x in r["cpu"])
         ex = [e for r in rs for e in r["experts"]]
+        pt, dt = sum(r["prompt_tokens"] for r in rs), sum(r["decode_tokens"] for r in rs)
         out.append(PhaseSummary(
-            phase, n, ms, dev, wait, ms["total"] - dev - wait,
+            phase, n, pt + dt, pt, dt, sums["total"], ms, dev, wait, ms["total"] - dev - wait,
             sum(b - a for a, b in io_u) / n, overlap(io_u, device) / n, sum(x[1] for r in rs for x in r["io"]) / n,
             sum(b - a for a, b in cpu_u) / n, overlap(cpu_u, device) / n,
             sum(e[1] for e in ex), sum(e[2] for e in ex), sum(e[3] for e in ex), sum(e[4] for e in ex),
@@ -214,22 +240,25 @@ def _pct(a: float, b: float) -> str:
 
 def format_summary(phases: list[PhaseSummary]) -> str:
     if not phases:
-        return "no token steps in the trace"
+        return "no steps in the trace"
     lines = []
     for p in phases:
-        lines.append(f"{p.phase}: {p.tokens} tokens, {p.ms['total']:.3f} ms/token "
-                     f"({1e3 / p.ms['total'] if p.ms['total'] > 0 else 0:.1f} tok/s)")
-        lines.append(f"  {'stage':32s} {'ms/token':>10s} {'share':>7s}")
+        what = {"prefill": f"{p.prompt_tokens} prompt tokens", "decode": f"{p.decode_tokens} decoded tokens",
+                "mixed": f"{p.prompt_tokens} prompt + {p.decode_tokens} decoded tokens"}[p.phase]
+        lines.append(f"{p.phase}: {p.steps} steps, {what}, {p.tokens / p.steps:.1f} tokens/step, "
+                     f"{p.ms['total']:.3f} ms/step, {p.tok_s:.1f} tok/s")
+        lines.append(f"  {'stage':32s} {'ms/step':>10s} {'share':>7s}")
         for k in (*KINDS, "other"):
             lines.append(f"  {LABELS[k]:32s} {p.ms[k]:10.3f} {_pct(p.ms[k], p.ms['total']):>7s}")
         lines.append(f"  {'total (measured wall)':32s} {p.ms['total']:10.3f} {_pct(1, 1):>7s}")
         lines.append(f"  device {p.device_ms:.3f} ms + waits {p.wait_ms:.3f} ms + host overhead {p.host_ms:.3f} ms "
-                     f"(wall - device - waits) per token")
-        lines.append(f"  I/O: {p.io_bytes / 1e3:.1f} kB/token, in flight {p.io_ms:.3f} ms/token, hidden behind device "
+                     f"(wall - device - waits) per step")
+        lines.append(f"  I/O: {p.io_bytes / 1e3:.1f} kB/step, in flight {p.io_ms:.3f} ms/step, hidden behind device "
                      f"{p.io_hidden_ms:.3f} ms ({_pct(p.io_hidden_ms, p.io_ms).strip()})")
-        lines.append(f"  CPU pool: busy {p.cpu_ms:.3f} ms/token, hidden behind device {p.cpu_hidden_ms:.3f} ms "
+        lines.append(f"  CPU pool: busy {p.cpu_ms:.3f} ms/step, hidden behind device {p.cpu_hidden_ms:.3f} ms "
                      f"({_pct(p.cpu_hidden_ms, p.cpu_ms).strip()})")
-        lines.append(f"  experts: {p.routed / p.tokens:.1f} routed/token: VRAM hits {_pct(p.hits, p.routed).strip()}, "
-                     f"CPU {p.cpu_experts / p.tokens:.1f}/token, fetched to VRAM {p.fetched / p.tokens:.1f}/token, "
-                     f"{p.expert_bytes / 1e6:.2f} MB/token")
+        distinct = p.hits + p.cpu_experts + p.fetched
+        lines.append(f"  experts: {p.routed / p.tokens:.1f} routed/token, {distinct / p.steps:.1f} distinct/step: "
+                     f"VRAM hits {_pct(p.hits, distinct).strip()}, CPU {p.cpu_experts / p.steps:.1f}/step, fetched "
+                     f"to VRAM {p.fetched / p.steps:.1f}/step, {p.expert_bytes / 1e6:.2f} MB/step")
     return "\n".join(lines)

@@ -14,7 +14,8 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.model.gguf_file import GGUFError, GGUFFile, TensorInfo
 from strata.model.schema import FLOAT_TYPES, Spec, all_specs
-from strata.quant import QType, dequantize, dequantize_rows, matvec
+from strata.quant import QType, dequantize, dequantize_rows
+from strata.quant.matmul import matmul
 
 
 class Mat:
@@ -51,10 +52,12 @@ class Mat:
                    self.exact)
 
     def __matmul__(self, x: np.ndarray) -> np.ndarray:
-        # x: (n_in,) float32 -> (n_out,)
-        if self.qtype == QType.F32:
-            return self.raw @ x
-        return matvec(self.raw, self.qtype, x, exact=self.exact)
+        """W x for x (n_in,) -> (n_out,), or every row of x (T, n_in) -> (T, n_out). Row t of a batch is bit for bit
+        what that row alone gives (the per-row kernels of strata.quant, F32 included: no BLAS, whose blocking
+        would make a row's rounding depend on T), so a batched step equals the token-by-token one."""
+        if x.ndim == 1:
+            return matmul(self.raw, self.qtype, x[None, :], exact=self.exact)[0]
+        return matmul(self.raw, self.qtype, x, exact=self.exact)
 
     def row(self, i: int) -> np.ndarray:
         """One row dequantized (an embedding lookup), without touching the rest of the table."""

@@ -42,10 +42,11 @@ def rope_inv_freq(n_rot: int, base: float) -> np.ndarray:
     return (F32(1.0) / np.power(F32(base), exps, dtype=F32)).astype(F32)
 
 
-def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
-    """NEOX RoPE on the first 2*len(inv_freq) dims of each row of x (heads, dim): pairs (i, i + n_rot/2)."""
+def rope(x: np.ndarray, pos, inv_freq: np.ndarray) -> np.ndarray:
+    """NEOX RoPE on the first 2*len(inv_freq) dims of x (T, heads, dim), row t at position pos[t] (an int: every
+    row at that position); pairs (i, i + n_rot/2)."""
     half = inv_freq.shape[0]
-    ang = F32(pos) * inv_freq
+    ang = np.asarray(pos, F32).reshape(-1, 1, 1) * inv_freq          # (T or 1, 1, half)
     cos, sin = np.cos(ang).astype(F32), np.sin(ang).astype(F32)
     out = x.copy()
     x1, x2 = x[..., :half], x[..., half:2 * half]
