@@ -80,13 +80,20 @@ class Feeder:
         self.window = NgramWindow.start(self.cfg) if self.cfg.ple_layers else None
 
     def next(self) -> tuple[int, np.ndarray | None]:
+        """A token and its PLE vector (ple_dim,)."""
         from strata.reference.ple import ple_gather, ple_rows
         t = int(self.rng.integers(0, self.cfg.n_vocab))
         e = None
         if self.window is not None:
-            e = ple_gather(self.m.weights.per_layer_token_embd, ple_rows(self.cfg, t, self.window.prev))
+            e = ple_gather(self.m.weights.per_layer_token_embd, ple_rows(self.cfg, [t], self.window))[0]
             self.window.advance(self.cfg, t)
         return t, e
+
+    def step(self, seq) -> tuple[object, np.ndarray | None]:
+        """The next one-row step of seq and its PLE vectors (1, ple_dim)."""
+        from strata.host.backend import Segment, Step
+        t, e = self.next()
+        return Step((Segment(seq, (t,), seq.pos),)), None if e is None else e[None]
 
 
 def _wait(poll):
@@ -101,31 +108,34 @@ def decode_ms(be, seq, feed, n: int) -> np.ndarray:
     e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
     out = []
     for _ in range(n):
-        t, e = feed.next()
+        step, e = feed.step(seq)
         e0.record(be.stream)
-        be.decode_token(seq, t, e)
+        be.launch_whole(step, e)
         e1.record(be.stream)
-        _wait(lambda: be.poll_logits(seq))
+        _wait(be.poll_logits)
         out.append(e1.elapsed_ms(e0))
     return np.array(out)
 
 
 def protocol_ms(be, seq, feed, n: int) -> np.ndarray:
     """n tokens through the per-layer protocol (every expert resident): host wall-clock ms per token."""
+    from strata.host.backend import ExpertPlan
     cfg = be.cfg
-    k, E = cfg.n_expert_used, cfg.n_embd
-    parts, mask = np.zeros((k, E), np.float32), np.ones(k, bool)
     out = []
     for _ in range(n):
-        t, e = feed.next()
+        step, e = feed.step(seq)
         t0 = time.perf_counter()
-        be.begin(seq, t, e)
+        be.begin(step)
+        if e is not None:
+            be.stage_ple(e)
         for il in range(cfg.n_layer):
-            be.launch_pre(seq, il)
-            _wait(lambda: be.poll_route(seq, il))
-            be.launch_post(seq, il, parts, mask)
-        be.launch_head(seq)
-        _wait(lambda: be.poll_logits(seq))
+            be.launch_pre(il)
+            r = _wait(lambda: be.poll_route(il))
+            plan = ExpertPlan.of(il, r.ids, cfg.n_embd)
+            plan.resident[:] = True
+            be.launch_post(plan)
+        be.launch_head()
+        _wait(be.poll_logits)
         out.append((time.perf_counter() - t0) * 1e3)
     return np.array(out)
 
@@ -279,8 +289,8 @@ def phase_bench(long_ctx: int) -> None:
         say(f"filling the context to {long_ctx} tokens")
         t1 = time.time()
         while seq.pos < long_ctx:
-            be.decode_token(seq, *feed.next())
-            _wait(lambda: be.poll_logits(seq))
+            be.launch_whole(*feed.step(seq))
+            _wait(be.poll_logits)
         say(f"  {time.time() - t1:.1f}s")
         long = decode_ms(be, seq, feed, 40)
         say(f"whole-token graph, positions {long_ctx}+: median {np.median(long):.3f} ms/token")

@@ -28,6 +28,7 @@ from strata.model.loader import load_model                                 # noq
 from strata.reference.model import RefModel, StageDump, first_divergence   # noqa: E402
 from strata.reference.moe import expert_ffn                                # noqa: E402
 from strata.reference.ple import NgramWindow, ple_gather, ple_rows         # noqa: E402
+from strata.host.backend import ExpertPlan, Segment, Step                 # noqa: E402
 
 TOL = 1e-3
 POLL_S = 60.0
@@ -52,32 +53,38 @@ def _wait(poll, what: str):
 
 
 def run_protocol(be, model, tokens, cache=None, dump=None, whole=False) -> np.ndarray:
-    """The scheduler's loop: per token begin, per layer pre -> doorbell -> host experts -> post, then the head.
-    `cache(layer, ids)` runs between the route and the post (the host's cache policy loading experts)."""
+    """The scheduler's loop, one-row steps: begin, per layer pre -> doorbell -> host experts (an ExpertPlan) ->
+    post, then the head. `cache(layer, experts)` runs between the route and the post (the host's cache policy
+    loading experts)."""
     cfg, W = model.cfg, model.weights
     k, E = cfg.n_expert_used, cfg.n_embd
     seq = be.new_seq(dump)
     window = NgramWindow.start(cfg) if cfg.ple_layers else None
     out = []
     try:
-        for t in tokens:
-            ple_e = ple_gather(W.per_layer_token_embd, ple_rows(cfg, t, window.prev)) if window else None
+        for pos, t in enumerate(tokens):
+            step = Step((Segment(seq, (t,), pos),))
+            ple_e = ple_gather(W.per_layer_token_embd, ple_rows(cfg, [t], window)) if window else None
             if whole:
-                be.decode_token(seq, t, ple_e)
+                be.launch_whole(step, ple_e)
             else:
-                be.begin(seq, t, ple_e)
+                be.begin(step)
+                if ple_e is not None:
+                    be.stage_ple(ple_e)
                 for il in range(cfg.n_layer):
-                    be.launch_pre(seq, il)
-                    r = _wait(lambda: be.poll_route(seq, il), f"route of layer {il}")
+                    be.launch_pre(il)
+                    r = _wait(lambda: be.poll_route(il), f"route of layer {il}")
+                    plan = ExpertPlan.of(il, r.ids, E)
                     if cache is not None:
-                        cache(il, r.ids)
-                    mask = be.resident(il, r.ids)
-                    parts = np.zeros((k, E), np.float32)
-                    for j in np.flatnonzero(~mask):
-                        parts[j] = expert_ffn(*W.layers[il].expert(int(r.ids[j])), r.x)
-                    be.launch_post(seq, il, parts, mask)
-                be.launch_head(seq)
-            out.append(_wait(lambda: be.poll_logits(seq), "logits"))
+                        cache(il, plan.experts)
+                    plan.resident = be.resident(il, plan.experts)
+                    flat = plan.parts.reshape(-1, E)
+                    for u in np.flatnonzero(~plan.resident):
+                        p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
+                        flat[p] = expert_ffn(*W.layers[il].expert(int(plan.experts[u])), r.x[p // k])
+                    be.launch_post(plan)
+                be.launch_head()
+            out.append(_wait(be.poll_logits, "logits")[0])
             if window is not None:
                 window.advance(cfg, t)
     finally:
@@ -192,7 +199,7 @@ def test_scheduler_over_cuda(case, mode):
         sched = Scheduler(model, be, HostConfig(vram_budget_bytes=1 << 40))
         try:                                   # aclose closes the backend too
             out = await sched.score(tokens)
-            stats = (sched.whole_token, sched.cache.uploads, sched.cache.hit_rate(),
+            stats = (sched.whole, sched.cache.uploads, sched.cache.hit_rate(),
                      be.cells.nbytes if mode != "vram" else 0)
             return out, stats
         finally:
@@ -219,9 +226,7 @@ def test_stage_dump_matches_reference(case):
         be.close()
     ref = StageDump()
     rm = RefModel(model.weights)
-    st = rm.new_state(ref)
-    for t in toks:
-        rm.step(st, t)
+    rm.chunk(rm.new_state(ref), toks)
     assert len(set(ours.data) & set(ref.data)) >= len(toks) * model.cfg.n_layer * 8
     assert first_divergence(ours, ref, rtol=1e-4) is None, f"first divergence: {first_divergence(ours, ref, 1e-4)}"
 

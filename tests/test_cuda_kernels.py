@@ -33,15 +33,31 @@ from strata.kernels import qsa as kqsa                                       # n
 from strata.kernels.gemv import Job, device_row_bytes                        # noqa: E402
 from strata.quant.dequant import dequantize                                  # noqa: E402
 from strata.quant.formats import QType, row_bytes, type_size                 # noqa: E402
-from strata.reference.common import rms_norm, rope_inv_freq                  # noqa: E402
-from strata.reference.gdn import GdnState, gdn_step                          # noqa: E402
+from strata.reference.common import rms_norm, rope, rope_inv_freq            # noqa: E402
+from strata.reference.gdn import GdnState, gdn_chunk                         # noqa: E402
 from strata.reference.hc import gr_read, gr_write                            # noqa: E402
 from strata.reference.moe import combine, expert_ffn, route                  # noqa: E402
 from strata.reference.ple import PleState, ple_block                         # noqa: E402
-from strata.reference.qsa import QsaState, qsa_step, select_blocks           # noqa: E402
+from strata.reference.qsa import QsaState, block_scores, qsa_chunk, select_blocks   # noqa: E402
 
 TOL = 1e-5
 F32 = np.float32
+
+
+class Rows:
+    """A float matrix with the reference's `W @ X` meaning (strata.model.weights.Mat's): W applied to every row of
+    X (T, n_in), or to a vector."""
+
+    def __init__(self, w: np.ndarray):
+        self.w = w
+
+    def __matmul__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.w.T if x.ndim == 2 else self.w @ x
+
+
+def as_rows(w: SimpleNamespace, *names: str) -> SimpleNamespace:
+    """w with the named matrices wrapped in Rows (the reference's layer weights, one token a step)."""
+    return SimpleNamespace(**{k: Rows(v) if k in names else v for k, v in vars(w).items()})
 
 # where each block format keeps its fp16 scales: (offset of d, offset of dmin/m or None)
 SCALES = {QType.Q4_0: (0, None), QType.Q4_1: (0, 2), QType.Q5_0: (0, None), QType.Q5_1: (0, 2),
@@ -259,7 +275,8 @@ def test_gr_read(rig, hc, E, r):
                 khc.up_mix_launch(k.fn("hc", "up_mix"), "up", m["up"], lo, xn, mixed, hc, E)]
     rig.poison(xn, lo, inj, mixed)
     rig.run(*launches)
-    ref_mixed, ref_inj = gr_read(Rv, norm, w["down"][4], w["up"][4], w["inject"][4], 1e-6)
+    ref_mixed, ref_inj = gr_read(Rv[None], norm, Rows(w["down"][4]), Rows(w["up"][4]), Rows(w["inject"][4]), 1e-6)
+    ref_mixed, ref_inj = ref_mixed[0], ref_inj[0]
     assert rel(xn.download(), rms_norm(Rv, norm, 1e-6)) <= TOL
     assert rel(mixed.download(), ref_mixed) <= TOL
     with np.errstate(over="ignore"):                          # the kernels keep the raw logit; writers apply this
@@ -280,7 +297,7 @@ def test_write_rms(rig):
     rig.poison(xn)
     rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6))
     inject = (2 / (1 + np.exp(-inj_raw / hc))).astype(F32)
-    Rn = gr_write(Rv, inject, out)
+    Rn = gr_write(Rv[None], inject[None], out[None])[0]
     assert rel(R.download(), Rn) <= TOL
     assert rel(xn.download(), rms_norm(Rn, norm, 1e-6)) <= TOL
 
@@ -289,7 +306,8 @@ def test_write_rms(rig):
 
 @pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
 def test_gdn_core(rig, Hk, Hv, D):
-    """gdn_core over 7 tokens (the conv ring wraps) against gdn_step, with ssm_out = identity so its output is y."""
+    """gdn_core over 7 tokens (the conv ring wraps) against gdn_chunk one token a step, with ssm_out = identity so
+    its output is y."""
     rng = np.random.default_rng(D + Hv)
     cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
     E, K, cd, vd = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim
@@ -317,7 +335,8 @@ def test_gdn_core(rig, Hk, Hv, D):
         step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
         rig.poison(y)
         rig.run(launch)
-        ref = gdn_step(cfg, w, st, x)
+        ref = gdn_chunk(cfg, as_rows(w, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"), [(st, 0, 1)],
+                        x[None])[0]
         assert rel(y.download(), ref) <= TOL, f"t={t}"
         assert rel(S.download(), st.S) <= TOL, f"state t={t}"
         got_conv = ring.download()[[(t - (K - 2) + j) % K for j in range(K - 1)]]   # positions t-2 .. t, oldest first
@@ -373,7 +392,8 @@ def _qsa_rig(rig, cfg, rng, max_ctx, nsplit):
 
 @pytest.mark.parametrize("geom", ["tiny", "flash_heads"])
 def test_qsa_layer(rig, geom):
-    """The QSA kernels in order, token by token past 4x the budget, against qsa_step (dense then sparse)."""
+    """The QSA kernels in order, token by token past 4x the budget, against qsa_chunk one token a step (dense then
+    sparse)."""
     rng = np.random.default_rng(11)
     if geom == "tiny":
         cfg, n_tok = cfg_tiny(n_embd=72), 50
@@ -384,18 +404,22 @@ def test_qsa_layer(rig, geom):
     w, b, launches, il = _qsa_rig(rig, cfg, rng, max_ctx, nsplit)
     st, inv = QsaState.empty(cfg), rope_inv_freq(cfg.n_rot, cfg.rope_base)
     sparse = 0
+    wr = as_rows(w, "attn_q", "attn_k", "attn_v", "attn_output", "indexer_q_proj", "indexer_k_proj")
+    Hi, Di, ratio = cfg.idx_heads, cfg.idx_dim, cfg.compress_ratios[il]
     for t in range(n_tok):
         x = rng.standard_normal(cfg.n_embd).astype(F32)
         b.x.upload(x)
         b.step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
         rig.poison(b.out, b.att, b.q)
         rig.run(*launches)
-        ref, info = qsa_step(cfg, il, w, st, x, t, inv)
+        ref = qsa_chunk(cfg, il, wr, [(st, 0, 1)], x[None], np.array([t]), inv)[0]
         assert rel(b.out.download(), ref) <= TOL, f"t={t}"
-        if info["scores"] is not None:
+        nb = (t + 1) // ratio
+        if nb > cfg.block_topk(il):
             sparse += 1
-            nb = (t + 1) // cfg.compress_ratios[il]
-            assert rel(b.scores.download()[:nb], info["scores"]) <= TOL
+            iq = rope(rms_norm((w.indexer_q_proj @ x).reshape(1, Hi, Di), w.indexer_q_norm, cfg.rms_eps),
+                      np.array([t]), inv)
+            assert rel(b.scores.download()[:nb], block_scores(cfg, iq, st.idx_blocks.view()[:nb])[0]) <= TOL
     assert rel(b.idx_blk.download()[:st.idx_blocks.n], st.idx_blocks.view()) <= TOL
     assert sparse > n_tok // 2
 
@@ -418,7 +442,7 @@ def test_qsa_select_ties(rig):
         rig.poison(sel, meta)
         rig.run(launch)
         n_sel, n_cells = meta.download()
-        want = np.sort(select_blocks(s, cfg.block_topk(il))) if nb > cfg.block_topk(il) else np.arange(nb)
+        want = select_blocks(s, cfg.block_topk(il)) if nb > cfg.block_topk(il) else np.arange(nb)
         assert n_sel == len(want) and n_cells == len(want) * ratio + (t + 1 - nb * ratio)
         assert np.array_equal(sel.download()[:n_sel], want), f"t={t}"
 
@@ -437,7 +461,7 @@ def test_route_and_doorbell(rig):
     try:
         launch = kmoe.route_launch(rig.k.fn("moe", "moe_route"), "route", cfg, 5, logits, x, ids, wts, step, db.ptrs)
         for ring in (100, 200):
-            w = SimpleNamespace(ffn_gate_inp=np.eye(n, dtype=F32))
+            w = SimpleNamespace(ffn_gate_inp=Rows(np.eye(n, dtype=F32)))
             lv = rng.standard_normal(n).astype(F32) * 3
             lv[7] = lv[300] = lv.max() + 1                     # a tie in the top 10: the lower id first
             xv = rng.standard_normal(E).astype(F32)
@@ -446,7 +470,7 @@ def test_route_and_doorbell(rig):
             step.upload(np.array([0, 0, ring, 0, 0, 0, 0, 0], np.int32))
             rig.poison(ids, wts)
             rig.run(launch)
-            ref_ids, ref_w = route(cfg, w, lv)
+            ref_ids, ref_w = (a[0] for a in route(cfg, w, lv[None]))
             assert np.array_equal(ids.download(), ref_ids)
             assert rel(wts.download(), ref_w) <= TOL
             assert db.value() == ring + 5
@@ -507,8 +531,8 @@ def test_combine_write_rms(rig):
     rig.poison(comb, xn)
     rig.run(kmoe.combine_launch(rig.k.fn("moe", "combine_write_rms"), "combine", cfg, *bufs, R, comb, nb, xn))
     parts = np.where(slots_v[:, None] >= 0, gp, hp)
-    out = combine(wv, parts, sh * (1 / (1 + np.exp(-sg[0]))).astype(F32))
-    Rn = gr_write(Rv, (2 / (1 + np.exp(-inj / hc))).astype(F32), out)
+    out = combine(wv[None], parts[None], (sh * (1 / (1 + np.exp(-sg[0]))).astype(F32))[None])[0]
+    Rn = gr_write(Rv[None], (2 / (1 + np.exp(-inj / hc))).astype(F32)[None], out[None])[0]
     assert rel(comb.download(), out) <= TOL
     assert rel(R.download(), Rn) <= TOL
     assert rel(xn.download(), rms_norm(Rn, nv, 1e-6)) <= TOL
@@ -543,5 +567,5 @@ def test_ple_mix(rig):
         value.upload(w.ple_value @ e)
         step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
         rig.run(launch)
-        ref = ple_block(cfg, w, st, Rv, e)
+        ref = ple_block(cfg, as_rows(w, "ple_key", "ple_value"), [(st, 0, 1)], Rv[None], e[None])[0]
         assert rel(R.download(), ref) <= TOL, f"t={t}"

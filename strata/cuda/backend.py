@@ -5,7 +5,7 @@ Per layer two captured graphs, with the stage names of strata.reference.model:
     post[l]  experts (the VRAM-resident routed ones) -> combine (+ the host's parts, gr_write, the next read's norm)
 and a begin graph (the step words from pinned staging, the embedding row, layer 0's read norm; the PLE vector is
 copied from its staging inside pre[PLE layer], so the host may stage it late: stage_ple), a head graph (final mixer, LM head, logits to pinned memory). With every expert in VRAM a whole-token graph chains
-them all with no host round trip (decode_token).
+them all with no host round trip (launch_whole).
 
 Everything the graphs touch lives in one arena at fixed addresses; what changes per token (token id, position,
 the doorbell's ring value) is the step block copied from pinned staging inside the begin graph, and what
@@ -13,7 +13,8 @@ changes per layer (which experts the host computed, their outputs, the cache slo
 copied from pinned staging before post[l] launches. Kernel arguments never change after capture.
 
 The host never blocks inside the layer loop: poll_route reads the doorbell's mapped sequence word and queries
-an event; post_done and poll_logits query events. One sequence at a time: new_seq refuses a second live one.
+an event; post_done and poll_logits query events. One sequence at a time (new_seq refuses a second live one), and
+a step carries one token (max_step_tokens): the kernels here are the T=1 path of the batched seam.
 
 Numerics: the f32 path (quant.cuh): weights dequantized in registers, activations and accumulation float32,
 KV cache float32. Every kernel is deterministic (fixed reduction orders, no float atomics), so a replayed graph
@@ -36,7 +37,7 @@ from strata.cuda.driver import CudaError
 from strata.cuda.graphs import Graph
 from strata.cuda.launch import CopyH2D, Launch, pdl_status
 from strata.cuda.weights import Uploader, conversion_note, device_rows, device_type
-from strata.host.backend import BackendError, Route
+from strata.host.backend import BackendError, ExpertPlan, Route, Step
 from strata.host.cells import Cells
 from strata.kernels import Kernels
 from strata.kernels import gdn as kgdn
@@ -106,6 +107,7 @@ def _guarded(method):
 class CudaBackend:
     name = "cuda"
     max_seqs = 1          # one sequence at a time on the GPU: the state buffers exist once
+    max_step_tokens = 1   # one row a step: the kernels take one token
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
                  experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
@@ -165,6 +167,7 @@ class CudaBackend:
         self._host_buffers()
         self._build_launches()
         self.seq: _Seq | None = None
+        self.cur: Step | None = None                     # the step in flight
         self._ring = 1
         self._g: dict = {}
         if graphs:
@@ -603,10 +606,22 @@ class CudaBackend:
             self.stream.synchronize("free_seq")
             seq.live = False
 
+    def _step_seq(self, step: Step, call: str) -> _Seq:
+        """The one sequence of a one-row step, which becomes the step in flight."""
+        if step.T != 1:
+            raise BackendError(f"{call}: a step of {step.T} rows; the CUDA backend takes one row a step "
+                               f"(max_step_tokens)")
+        seg = step.segments[0]
+        if seg.seq is self.seq and seg.pos != seg.seq.pos:
+            raise BackendError(f"{call}: the row is at position {seg.pos}, its sequence at {seg.seq.pos}")
+        self.cur = step
+        return seg.seq
+
     @_guarded
-    def begin(self, seq: _Seq, token: int, ple_e: np.ndarray | None) -> None:
+    def begin(self, step: Step) -> None:
+        seq = self._step_seq(step, "begin")
         self._check_seq(seq, "begin", "idle")
-        self._stage_token(seq, token, ple_e, "begin")
+        self._stage_token(seq, int(step.tokens[0]), None, "begin")
         self._run("begin", self._enq_begin)
         if seq.dump is not None:
             self.stream.synchronize("dump: embed")
@@ -637,12 +652,19 @@ class CudaBackend:
         seq.ple_ready = True
 
     @_guarded
-    def stage_ple(self, seq: _Seq, ple_e: np.ndarray) -> None:
-        """The token's PLE vector after begin: any time before launch_pre of the PLE layer, whose graph copies it."""
+    def stage_ple(self, e: np.ndarray) -> None:
+        """The row's PLE vector (1, ple_dim) after begin: any time before launch_pre of the PLE layer, whose graph
+        copies it."""
+        seq = self._seq_of_step("stage_ple")
         self._check_seq(seq, "stage_ple", "begun", "pre", "routed", "post")
         if self.cfg.ple_layers and seq.layer >= self.cfg.ple_layers[0]:
             raise BackendError(f"stage_ple: layer {seq.layer} is already past the PLE layer {self.cfg.ple_layers[0]}")
-        self._stage_ple(seq, ple_e, "stage_ple")
+        self._stage_ple(seq, np.asarray(e).reshape(-1), "stage_ple")
+
+    def _seq_of_step(self, call: str) -> _Seq:
+        if self.cur is None:
+            raise BackendError(f"{call}: no step was begun")
+        return self.cur.segments[0].seq
 
     def _dump_stage(self, seq: _Seq, layer: int, stage: str) -> None:
         value = {"ple": self.b_R, "attn_read": self.b_mixed, "mixer": self.b_mix_out, "attn_write": self.b_R,
@@ -668,7 +690,8 @@ class CudaBackend:
             self._dump_stage(seq, layer, name)
 
     @_guarded
-    def launch_pre(self, seq: _Seq, layer: int) -> None:
+    def launch_pre(self, layer: int) -> None:
+        seq = self._seq_of_step("launch_pre")
         if layer == 0:
             self._check_seq(seq, "launch_pre", "begun")
         else:
@@ -682,7 +705,8 @@ class CudaBackend:
         seq.phase = "pre"
 
     @_guarded
-    def poll_route(self, seq: _Seq, layer: int) -> Route | None:
+    def poll_route(self, layer: int) -> Route | None:
+        seq = self._seq_of_step("poll_route")
         self._check_seq(seq, "poll_route", "pre", "routed", layer=layer)
         if seq.phase == "routed":
             return seq.route
@@ -698,14 +722,14 @@ class CudaBackend:
                                        f"{self.timeout:.0f}s (holds {self.db.value()}, expected {want})")
                 return None
         x, ids, wts = self.db.payload()
-        seq.route = Route(x, ids, wts)
+        seq.route = Route(x[None], ids[None], wts[None])
         seq.phase = "routed"
         return seq.route
 
-    def resident(self, layer: int, ids: np.ndarray) -> np.ndarray:
+    def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
         if self.experts == "vram":
-            return np.ones(len(ids), bool)
-        return np.array([(layer, int(e)) in self._slot_of for e in ids], bool)
+            return np.ones(len(experts), bool)
+        return np.array([(layer, int(e)) in self._slot_of for e in experts], bool)
 
     def expert_slots(self) -> int:
         return self.n_slots
@@ -787,22 +811,21 @@ class CudaBackend:
         self.load_turn = (i + 1) % LOAD_STAGING
 
     @_guarded
-    def launch_post(self, seq: _Seq, layer: int, parts: np.ndarray, resident: np.ndarray) -> None:
+    def launch_post(self, plan: ExpertPlan) -> None:
+        """post[plan.layer] with the plan's host parts for the routes it does not mark resident."""
+        seq, layer = self._seq_of_step("launch_post"), plan.layer
         self._check_seq(seq, "launch_post", "routed", layer=layer)
         cfg, k = self.cfg, self.cfg.n_expert_used
-        mask = np.asarray(resident, bool).reshape(-1)
-        if mask.shape != (k,):
-            raise BackendError(f"launch_post: the resident mask has shape {mask.shape}, expected ({k},)")
-        ids = seq.route.ids
+        if plan.parts.shape != (1, k, cfg.n_embd):
+            raise BackendError(f"launch_post: parts of shape {plan.parts.shape}, expected (1, {k}, {cfg.n_embd})")
+        mask, parts = plan.mask[0], plan.parts[0]
+        ids = seq.route.ids[0]
         if self.experts == "vram":
             if not mask.all():
                 raise BackendError("launch_post: experts='vram' computes every routed expert; the mask says the "
                                    "host computed some")
         else:
             if (~mask).any():
-                parts = np.asarray(parts, F32)
-                if parts.shape != (k, cfg.n_embd):
-                    raise BackendError(f"launch_post: parts has shape {parts.shape}, expected ({k}, {cfg.n_embd})")
                 self.post_parts[~mask] = parts[~mask]
             for j in range(k):
                 if mask[j]:
@@ -825,31 +848,37 @@ class CudaBackend:
         seq.phase = "post"
 
     @_guarded
-    def post_done(self, seq: _Seq, layer: int) -> bool:
+    def post_done(self, layer: int) -> bool:
         return self.ev_post[layer].query(f"post[{layer}]")
 
     @_guarded
-    def launch_head(self, seq: _Seq) -> None:
+    def launch_head(self) -> None:
+        seq = self._seq_of_step("launch_head")
         self._check_seq(seq, "launch_head", "post", layer=self.cfg.n_layer - 1)
         self._run("head", self._enq_head)
         self.ev_head.record(self.stream)
         seq.phase = "head"
 
     @_guarded
-    def decode_token(self, seq: _Seq, token: int, ple_e: np.ndarray | None) -> None:
-        """The whole token as one graph (experts='vram' only, no doorbell wait); poll_logits gives its logits."""
+    def launch_whole(self, step: Step, e: np.ndarray | None) -> None:
+        """The whole one-row step as one graph (experts='vram' only, no doorbell wait), e its PLE vector
+        (1, ple_dim); poll_logits gives its logits."""
+        seq = self._step_seq(step, "launch_whole")
         if self.experts != "vram" or not self.graphs or seq.dump is not None:
-            raise BackendError("decode_token: the whole-token graph needs experts='vram', graphs=True and no dump")
-        self._check_seq(seq, "decode_token", "idle")
-        self._stage_token(seq, token, ple_e, "decode_token")
+            raise BackendError("launch_whole: the whole-step graph needs experts='vram', graphs=True and no dump")
+        self._check_seq(seq, "launch_whole", "idle")
+        self._stage_token(seq, int(step.tokens[0]), None if e is None else np.asarray(e).reshape(-1),
+                          "launch_whole")
         if self.cfg.ple_layers and not seq.ple_ready:
-            raise BackendError("decode_token: the model's PLE layer needs the token's PLE vector")
+            raise BackendError("launch_whole: the model's PLE layer needs the row's PLE vector")
         self._g["token"].launch(self.stream)
         self.ev_head.record(self.stream)
         seq.phase, seq.layer = "head", self.cfg.n_layer - 1
 
     @_guarded
-    def poll_logits(self, seq: _Seq) -> np.ndarray | None:
+    def poll_logits(self) -> np.ndarray | None:
+        """The step's logit rows (0 or 1, n_vocab), once the head has run."""
+        seq = self._seq_of_step("poll_logits")
         self._check_seq(seq, "poll_logits", "head")
         if not self.ev_head.query("head"):
             return None
@@ -859,7 +888,7 @@ class CudaBackend:
         seq.pos += 1
         self._ring += self.cfg.n_layer
         seq.phase, seq.layer = "idle", -1
-        return out
+        return out[None] if len(self.cur.logit_rows) else out[None, :0]
 
     # ---- measurement helpers (bench/gpu_check.py) ----------------------------------------------------------
     def stage_graphs(self) -> list[tuple[str, Graph]]:
