@@ -50,7 +50,7 @@ async def test_stream_chunks(eng):
     assert last.token is None and last.finish_reason == "length" and last.index == 6
     assert "".join(c.text for c in chunks) == eng.tokenizer.decode(toks)
     assert last.timings.prefill_tok_s > 0 and last.timings.decode_tok_s > 0
-    assert {"doorbell", "post_wait", "cpu_wait", "other"} <= set(last.timings.stage_ms)
+    assert {"doorbell", "post_launch", "cpu_wait", "other"} <= set(last.timings.stage_ms)
     # greedy decoding picks the teacher-forced argmax at every step
     ref = eng.logits(ids + toks[:-1])
     assert toks == [int(np.argmax(ref[len(ids) - 1 + i])) for i in range(6)]

@@ -68,7 +68,7 @@ class VramOnCpu(CpuBackend):
                         1, m.exact) for m, raw in zip(lw.expert(e), raws)]
             p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
             flat[p] = expert_ffn(*mats, self.pre.x[p // k])
-        self._run(self.ref.post, self.batch, plan.layer, self.pre, parts)
+        self._run(self._post, plan.layer, parts)
 
 
 class CellsOnCpu(VramOnCpu):
@@ -266,8 +266,8 @@ class SlowCpu(CpuBackend):
         if not wake:
             self.in_flight = None
 
-    def _run(self, fn, *args):
-        super()._run(lambda: (time.sleep(0.02), fn(*args))[1])
+    def _run(self, fn, *args, **kw):
+        super()._run(lambda: (time.sleep(0.02), fn(*args))[1], **kw)
 
     def poll_route(self, layer):
         self.polls += 1

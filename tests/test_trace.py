@@ -27,7 +27,7 @@ def _record(t0: float, rows=((1, "decode", 1, 5),)) -> dict:
             "T": pt + dt, "prompt_tokens": pt, "decode_tokens": dt, "rows": [list(r) for r in rows],
             "t0": t0, "t1": t0 + 10,
             "spans": [span("pre_launch", 0, .1), span("doorbell", .1, 2), span("cpu_wait", 2, 3),
-                      span("post_launch", 3, 3.1), span("post_wait", 3.1, 5), span("head_launch", 5, 5.1),
+                      span("post_launch", 3, 3.1), span("doorbell", 3.1, 5), span("head_launch", 5, 5.1),
                       span("head_wait", 5.1, 6), span("sample", 6, 6.5)],
             "io": [["ple", 100, t0 + .5, t0 + 2.5]], "cpu": [[0, 2, 1000, t0 + 1.5, t0 + 3.5]],
             "experts": [[0, 4, 1, 2, 1, 1000, 500]]}

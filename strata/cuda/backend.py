@@ -13,8 +13,9 @@ changes per layer (which experts the host computed, their outputs, the cache slo
 copied from pinned staging before post[l] launches. Kernel arguments never change after capture.
 
 The host never blocks inside the layer loop: poll_route reads the doorbell's mapped sequence word and queries
-an event; post_done and poll_logits query events. One sequence at a time (new_seq refuses a second live one), and
-a step carries one token (max_step_tokens): the kernels here are the T=1 path of the batched seam.
+an event; poll_logits queries one. A post is never waited for: the next launch follows it on the stream. One
+sequence at a time (new_seq refuses a second live one), and a step carries one token (max_step_tokens): the
+kernels here are the T=1 path of the batched seam.
 
 Numerics: the f32 path (quant.cuh): weights dequantized in registers, activations and accumulation float32,
 KV cache float32. Every kernel is deterministic (fixed reduction orders, no float atomics), so a replayed graph
@@ -403,7 +404,6 @@ class CudaBackend:
         self.logits = self.h_logits.array(F32, (cfg.n_vocab,))
         self.ev_head = drv.Event()
         self.ev_pre = [drv.Event() for _ in range(cfg.n_layer)]
-        self.ev_post = [drv.Event() for _ in range(cfg.n_layer)]
         self.ev_mark = drv.Event()
         if self.experts == "host":
             # load_expert copies run on the side stream, in order: the first load after a launch makes the side
@@ -842,14 +842,9 @@ class CudaBackend:
         seq.mask = mask
         seq.parts = None if seq.dump is None else np.array(parts, F32)
         self._run_stages(seq, ("post", layer), self.post[layer], layer)
-        self.ev_post[layer].record(self.stream)
         if self.experts == "host":
             self._mark_needed = True                    # this post reads slots a later load may overwrite
         seq.phase = "post"
-
-    @_guarded
-    def post_done(self, layer: int) -> bool:
-        return self.ev_post[layer].query(f"post[{layer}]")
 
     @_guarded
     def launch_head(self) -> None:

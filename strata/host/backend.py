@@ -14,8 +14,9 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
     expert_slots() -> int             how many experts fit the backend's expert cache (0: none)
     load_expert(l, e, slot, g, u, d)  copy expert e of layer l (its three raw weight slices) into a cache slot,
                                       replacing whatever the slot held; the host's cache policy picks the slot
-    launch_post(plan)                 start post[plan.layer] with the host's expert outputs (ExpertPlan)
-    post_done(l) -> bool
+    launch_post(plan)                 start post[plan.layer] with the host's expert outputs (ExpertPlan); the next
+                                      launch (pre[l+1] or the head) follows it on the device in order, so the host
+                                      never waits for a post: the next doorbell says it is done
     launch_head() / poll_logits()     the final mixer and LM head, for step.logit_rows only: (L, n_vocab)
     max_seqs                          how many sequences may be live at once (None: no limit)
     max_step_tokens                   the most rows a step may carry (None: no limit but the scheduler's budget)
@@ -140,7 +141,6 @@ class Backend(Protocol):
     def load_expert(self, layer: int, expert: int, slot: int, gate: np.ndarray, up: np.ndarray,
                     down: np.ndarray) -> None: ...
     def launch_post(self, plan: ExpertPlan) -> None: ...
-    def post_done(self, layer: int) -> bool: ...
     def launch_head(self) -> None: ...
     def poll_logits(self) -> np.ndarray | None: ...
     def close(self) -> None: ...
@@ -152,7 +152,8 @@ class _CpuSeq:
 
 
 class CpuBackend:
-    """The numpy reference as a device: each stage runs on one worker thread; the future is the doorbell.
+    """The numpy reference as a device: its stages run in launch order on one worker thread (a stream); the future
+    of a stage is its doorbell.
 
     No expert is resident: every routed expert is the host's work, which is the CPU twin of an empty VRAM cache.
     """
@@ -168,11 +169,14 @@ class CpuBackend:
         self.live = 0                    # sequences between new_seq and free_seq: what a leak check counts
         self.step: Step | None = None
         self.batch: Batch | None = None
-        self.R: np.ndarray | None = None          # (T, hc, E) the streams between stages
+        self.R: np.ndarray | None = None          # (T, hc, E) the streams between stages (the worker's, as are
+                                                  # pre and failed)
         self.ple_e: np.ndarray | None = None
-        self.pre: PreOut | None = None
-        self.layer = -1                           # the layer whose stage ran last
-        self.job: Future | None = None            # the stage in flight on the worker thread
+        self.pre: PreOut | None = None            # the last pre's output (the worker's)
+        self.layer = -1                           # the layer launched last
+        self.routed = -1                          # the layer whose route the host has
+        self.job: Future | None = None            # the stage launched last
+        self.failed: BaseException | None = None  # a stage that raised: the step's later stages do not run
 
     def new_seq(self, dump: StageDump | None = None) -> _CpuSeq:
         self.live += 1
@@ -184,8 +188,7 @@ class CpuBackend:
         seq.st = None
 
     def begin(self, step: Step) -> None:
-        if self.job is not None and not self.job.done():
-            raise BackendError("begin: the previous step still has a stage running")
+        """Queued like every stage: a step the host gave up on (a read failed) may still have a post running."""
         runs = []
         for s in step.segments:
             if s.seq.st is None:
@@ -193,11 +196,12 @@ class CpuBackend:
             if s.seq.st.pos != s.pos:
                 raise BackendError(f"begin: a segment starts at position {s.pos}, its sequence is at {s.seq.st.pos}")
             runs.append((s.seq.st, s.tokens))
-        self.step, self.batch, self.job, self.pre, self.ple_e, self.layer = step, Batch.of(runs), None, None, None, -1
-        try:
-            self.R = self.ref.embed(self.batch)
-        except ValueError as e:
-            raise BackendError(f"begin: {e}") from None
+        self.step, self.batch, self.ple_e = step, Batch.of(runs), None
+        self.layer = self.routed = -1
+        self._run(self._begin, self.batch, fresh=True)
+
+    def _begin(self, batch: Batch) -> None:
+        self.pre, self.R = None, self.ref.embed(batch)
 
     def stage_ple(self, e: np.ndarray) -> None:
         if e.shape != (self.batch.T, self.cfg.ple_dim):
@@ -205,10 +209,19 @@ class CpuBackend:
                                f"({self.batch.T}, {self.cfg.ple_dim})")
         self.ple_e = e
 
-    def _run(self, fn, *args) -> None:
-        if self.job is not None and not self.job.done():
-            raise BackendError("a stage was launched while the previous one is still running")
-        self.job = self._worker.submit(fn, *args)
+    def _run(self, fn, *args, fresh: bool = False) -> None:
+        """Queue a stage behind the ones launched before it; a step's first (fresh) forgets an earlier failure."""
+        def stage():
+            if fresh:
+                self.failed = None
+            elif self.failed is not None:
+                raise BackendError(f"an earlier stage of this step failed: {self.failed!r}")
+            try:
+                return fn(*args)
+            except BaseException as e:
+                self.failed = e
+                raise
+        self.job = self._worker.submit(stage)
 
     def in_flight(self) -> Future | None:
         return self.job
@@ -221,20 +234,29 @@ class CpuBackend:
         except Exception as e:       # a failing stage is a failing device
             raise BackendError(f"cpu stage failed: {e!r}") from e
 
+    def _pre(self, layer: int, ple: np.ndarray | None) -> PreOut:
+        self.pre = self.ref.pre(self.batch, layer, self.R, ple)
+        return self.pre
+
+    def _post(self, layer: int, parts: np.ndarray) -> None:
+        self.R = self.ref.post(self.batch, layer, self.pre, parts)
+
     def launch_pre(self, layer: int) -> None:
-        if layer != self.layer + 1:
+        if layer != self.layer + 1 or layer != self.routed + 1:
             raise BackendError(f"launch_pre({layer}) after layer {self.layer}")
         ple = self.ple_e if layer in self.cfg.ple_layers else None
         if layer in self.cfg.ple_layers and ple is None:
             raise BackendError(f"pre[{layer}] launched before the step's PLE vectors were staged")
         self.layer = layer
-        self._run(self.ref.pre, self.batch, layer, self.R, ple)
+        self._run(self._pre, layer, ple)
 
     def poll_route(self, layer: int) -> Route | None:
+        if layer != self.layer:
+            raise BackendError(f"poll_route({layer}): pre[{self.layer}] is the one launched")
         p = self._result()
         if p is None:
             return None
-        self.pre, self.job = p, None
+        self.routed = layer
         return Route(p.x, p.ids, p.weights)
 
     def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
@@ -249,38 +271,34 @@ class CpuBackend:
 
     def check_plan(self, plan: ExpertPlan) -> None:
         """A plan must be for the layer whose route is out, and carry every row: the stale-expert guard."""
-        if plan.layer != self.layer or self.pre is None:
-            raise BackendError(f"launch_post: a plan for layer {plan.layer}, the step is at layer {self.layer}")
-        if plan.parts.shape != self.pre.ids.shape + (self.cfg.n_embd,):
-            raise BackendError(f"launch_post: parts of shape {plan.parts.shape} for a step of routes "
-                               f"{self.pre.ids.shape}")
+        if plan.layer != self.routed or self.routed != self.layer:
+            raise BackendError(f"launch_post: a plan for layer {plan.layer}, the step is at layer {self.routed}")
+        T, k = self.batch.T, self.cfg.n_expert_used
+        if plan.parts.shape != (T, k, self.cfg.n_embd):
+            raise BackendError(f"launch_post: parts of shape {plan.parts.shape} for a step of {T} rows x {k} "
+                               f"experts")
 
     def launch_post(self, plan: ExpertPlan) -> None:
         self.check_plan(plan)
         if plan.resident.any():
             raise BackendError("the cpu backend holds no experts")
-        self._run(self.ref.post, self.batch, plan.layer, self.pre, plan.parts)
-
-    def post_done(self, layer: int) -> bool:
-        R = self._result()
-        if R is None:
-            return False
-        self.R, self.job, self.pre = R, None, None
-        return True
+        self._run(self._post, plan.layer, plan.parts)
 
     def launch_head(self) -> None:
         def head():
             logits = self.ref.head(self.batch, self.R, self.step.logit_rows.tolist())
             self.ref.finish(self.batch)
             return logits
-        if self.layer != self.cfg.n_layer - 1:
-            raise BackendError(f"launch_head after layer {self.layer}")
+        if self.routed != self.cfg.n_layer - 1:
+            raise BackendError(f"launch_head after layer {self.routed}")
+        self.layer = self.cfg.n_layer
         self._run(head)
 
     def poll_logits(self) -> np.ndarray | None:
         out = self._result()
         if out is not None:
-            self.job, self.layer = None, -1
+            self.job = None
+            self.layer = self.routed = -1
         return out
 
     def close(self) -> None:

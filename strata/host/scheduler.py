@@ -8,7 +8,8 @@ request's prompt joins the running decodes at the next step. One step:
         [the PLE layer: wait for the rows, stage_ple]
         launch_pre(l); poll the doorbell (spin on sleep(0), then short sleeps; a timeout is an error)
         plan the layer's experts for the whole step, grouped by expert: hits = resident(l, experts); the misses'
-        blob reads start; misses split between the CPU pool and uploads; launch_post(plan); poll post_done
+        blob reads start; misses split between the CPU pool and uploads; launch_post(plan), and pre[l+1] is
+        launched right behind it (the device runs them in order: the next doorbell says post[l] is done)
     launch_head; poll the logits of the rows that need them; sample per request
 Layer l's plan carries l and reaches post[l] before pre[l+1] is launched, and a step never has two stages in
 flight: the seed's stale-expert bug was post[l] combining layer l-1's experts.
@@ -536,10 +537,7 @@ class Scheduler:
             plan = await self._expert_plan(il, route, st)
             t0 = clock()
             be.launch_post(plan)
-            t1 = clock()
-            st.span("post_launch", il, t0, t1)
-            be.post_done(il) or await self._poll(lambda: be.post_done(il) or None, "post", il)
-            st.span("post_wait", il, t1, clock())
+            st.span("post_launch", il, t0, clock())
         t0 = clock()
         be.launch_head()
         t1 = clock()

@@ -32,17 +32,18 @@ _ORIGIN = time.perf_counter()
 
 # span kinds: what the driver was doing, in the table's order; DEVICE spans are device intervals as the host saw
 # them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
-DEVICE = ("pre_launch", "doorbell", "post_launch", "post_wait", "head_launch", "head_wait", "token_launch",
+DEVICE = ("pre_launch", "doorbell", "post_launch", "head_launch", "head_wait", "token_launch",
           "token_wait")
 WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload")
 HOST = ("sample",)
-KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "post_launch", "post_wait",
+KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "post_launch",
          "head_launch", "head_wait", "token_launch", "token_wait", "sample")
 LABELS = {
-    "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch", "doorbell": "pre graph: doorbell wait",
+    "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch",
+    "doorbell": "post[l-1] + pre[l]: doorbell wait",
     "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
-    "post_launch": "post graph: launch", "post_wait": "post graph: wait", "head_launch": "head: launch",
-    "head_wait": "head: wait", "token_launch": "whole-token graph: launch",
+    "post_launch": "post graph: launch", "head_launch": "head: launch",
+    "head_wait": "post[last] + head: wait", "token_launch": "whole-token graph: launch",
     "token_wait": "whole-token graph: wait", "sample": "sample + deliver", "other": "other/host (residual)",
 }
 
