@@ -10,6 +10,13 @@ repeats with a warm-up excluded:
     prefill tok/s     a 512- and a 4096-token prompt
     decode tok/s      median per-token time of --decode tokens after a 1-token prompt (context 0) and after a
                       --long-ctx prompt (context 8K)
+    N streams         CPU configuration, N in --streams: aggregate decode tok/s of N requests at once, each its
+                      own 4-16-token prompt, then --stream-decode tokens. Strata: N `engine.generate` consumers
+                      under one asyncio.gather; the tokens the streams got while all N were decoding (from the last
+                      stream's first token to the first stream's last) over that window's length. llama.cpp: one
+                      context with n_seq_max=N, the N prompts in one batch, then --stream-decode llama_decode calls
+                      of one token (and its logits) per sequence, as llama-batched-bench and the server do:
+                      N x steps over the steps' time (the tokens fed are fixed: which one does not change the work)
 Strata's bytes moved per token come from `strata.inspect.per_token_bytes`; the floor they imply uses the host
 memory read bandwidth measured in the same run (numpy sums, one thread per core). llama.cpp is llama-cpp-python 0.3.36 (its
 sdist vendors llama.cpp with qwen4exp); the CPU configuration runs it through its Python bindings, the GPU
@@ -17,15 +24,17 @@ configurations through that llama.cpp's own `llama-bench` built for CUDA (--llam
 the repository). Peak memory of every child: its VmHWM (host) and the device's memory in use (NVML), polled while
 it runs.
 
-CPU configuration: strata reads every expert into its host store first (as budget24 does), then a 2-token warm-up.
+CPU configuration: strata reads every expert into its host store first (as budget24 does), then a 2-token warm-up;
+each stream count's first round (4 tokens a stream) is a warm-up too, on both engines.
 GPU configurations (strata: HostConfig.experts):
     vram      every weight in VRAM: strata's whole-token graph; llama.cpp -ngl 99
     budget24  strata: a 24 GiB VRAM budget (dense weights + expert cache), every expert preloaded into host memory,
               a warm-up request that fills the cache first; llama.cpp: -ngl 99 with --n-cpu-moe N (the experts of
               the first N layers in host memory), N from a sweep (--ncmoe), the fastest whose device memory stayed
               within 24 GiB
-Strata processes prompts token by token, so its prefill costs what its decode costs; --skip-strata names the
-measurements not run for it (each one's time is printed instead, estimated from its measured decode).
+On the CPU Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens); the CUDA backend still takes one
+token a step, so there its prefill costs what its decode costs. --skip-strata names the measurements not run for it
+(on the GPU each one's time is printed instead, estimated from its measured decode).
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# the environment as the user gave it: importing strata sets OMP_WAIT_POLICY=passive for its own numba threads
+# (strata.quant.experts), which would make llama.cpp's OpenMP threads sleep between its ops if a child inherited it
+USER_ENV = dict(os.environ)
 
 
 def host_bandwidth(gib: float = 2.0) -> float:
@@ -66,16 +78,38 @@ def tokens_for(n: int, n_vocab: int, eos: int, seed: int) -> list[int]:
     return [x if x != eos else x + 1 for x in t]
 
 
+def stream_prompts(n: int, n_vocab: int, eos: int) -> list[list[int]]:
+    """The N-streams measurement's prompts, the same for both engines: 4 to 16 tokens, each its own."""
+    return [tokens_for(4 + 3 * i % 13, n_vocab, eos, 10 + i) for i in range(n)]
+
+
+# the median each measurement kind reports
+KEY = {"decode": "decode_ms", "prefill": "prefill_tok_s", "streams": "agg_tok_s"}
+
+
 # ---- the two engines, each in a child process ------------------------------------------------------------------
 def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
-                 preload: bool = False, warm_tokens: int = 2) -> dict:
-    """One engine open (and expert preload) for a list of measurements [kind, n_prompt], each a fresh request."""
+                 preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0) -> dict:
+    """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
+    fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
     from strata.engine import Engine, HostConfig
     from strata.sampling import SamplingParams
 
+    async def streams(eng, n: int, n_tokens: int) -> dict:
+        async def one(prompt: list[int]) -> np.ndarray:
+            stamps = []
+            async for ch in eng.generate(prompt, SamplingParams(max_tokens=n_tokens, stop_at_eos=False)):
+                if ch.token is not None:                    # the last chunk is the finish marker
+                    stamps.append(time.perf_counter())
+            return np.array(stamps)
+        got = await asyncio.gather(*map(one, stream_prompts(n, eng.cfg.n_vocab, eng.cfg.eos_id or -1)))
+        t0, t1 = max(s[0] for s in got), min(s[-1] for s in got)     # the window where all n were decoding
+        inside = sum(int(np.count_nonzero((s > t0) & (s <= t1))) for s in got)
+        return {"agg_tok_s": inside / float(t1 - t0) if t1 > t0 else float("nan")}   # nan: they never overlapped
+
     async def go():
-        max_ctx = -(-(max(n for _, n in runs) + n_decode + 8) // 1024) * 1024
+        max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024
         eng = await Engine.open(model, backend=backend, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx))
         cfg = eng.cfg
@@ -84,18 +118,24 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         warm = SamplingParams(max_tokens=warm_tokens, stop_at_eos=False)
         async for _ in eng.generate(tokens_for(4, cfg.n_vocab, cfg.eos_id or -1, 2), warm):
             pass
-        out = []
-        for kind, n_prompt in runs:
-            prompt = tokens_for(n_prompt, cfg.n_vocab, cfg.eos_id or -1, 1)
-            params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
-            stamps = []
-            t0 = time.perf_counter()
-            async for _ in eng.generate(prompt, params):
-                stamps.append(time.perf_counter())
-            r = {"prefill_tok_s": n_prompt / (stamps[0] - t0)}
-            if kind == "decode":
-                r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)   # the last chunk: the finish marker
-            print(f"strata {kind} {n_prompt}: {r}", file=sys.stderr, flush=True)
+        out, warmed = [], set()
+        for kind, n in runs:
+            if kind == "streams":
+                if n not in warmed:
+                    await streams(eng, n, 4)
+                    warmed.add(n)
+                r = await streams(eng, n, stream_decode)
+            else:
+                prompt = tokens_for(n, cfg.n_vocab, cfg.eos_id or -1, 1)
+                params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
+                stamps = []
+                t0 = time.perf_counter()
+                async for _ in eng.generate(prompt, params):
+                    stamps.append(time.perf_counter())
+                r = {"prefill_tok_s": n / (stamps[0] - t0)}
+                if kind == "decode":     # the last chunk: the finish marker
+                    r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)
+            print(f"strata {kind} {n}: {r}", file=sys.stderr, flush=True)
             out.append(r)
         await eng.aclose()
         return out
@@ -114,7 +154,7 @@ def strata_measure(spec: dict, jobs: list, timeout: float) -> dict:
             out[label] = {"error": res["error"]}
             continue
         mine, i = res["runs"][i:i + reps], i + reps
-        key = "decode_ms" if kind == "decode" else "prefill_tok_s"
+        key = KEY[kind]
         out[label] = {key: float(np.median([r[key] for r in mine])), "peak_rss_gib": res["peak_rss_gib"],
                       "peak_dev_gib": res.get("peak_dev_gib", float("nan"))}
     return out
@@ -142,9 +182,62 @@ def llama_child(model: str, kind: str, n_prompt: int, n_decode: int, threads: in
     return out
 
 
+def llama_streams_child(model: str, n_streams: int, n_decode: int, repeats: int, threads: int) -> dict:
+    """N streams through llama.cpp's C API: one context with n_seq_max=N, every llama_decode call one token for
+    each sequence. A warm-up round of 4 steps, then `repeats` rounds from a cleared memory: {agg_tok_s: median}."""
+    import llama_cpp as lc
+    from llama_cpp._logger import set_verbose
+    set_verbose(False)                                      # errors only, as Llama(verbose=False) does it
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    mdl = lc.llama_model_load_from_file(model.encode(), mp)
+    if not mdl:
+        raise RuntimeError(f"llama.cpp could not load {model}")
+    vocab = lc.llama_model_get_vocab(mdl)
+    prompts = stream_prompts(n_streams, lc.llama_vocab_n_tokens(vocab), lc.llama_vocab_eos(vocab))
+    n_prompt = sum(map(len, prompts))
+    cp = lc.llama_context_default_params()
+    # not unified: each sequence its own n_ctx / n_seq_max cells (the default; no shared prefix to gain from)
+    cp.n_seq_max, cp.n_ctx = n_streams, n_streams * -(-(16 + n_decode + 8) // 256) * 256
+    cp.n_batch = cp.n_ubatch = max(512, n_prompt)
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(mdl, cp)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp could not make a context of {n_streams} sequences")
+    batch = lc.llama_batch_init(cp.n_batch, 0, 1)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, pos, seq, logits) items."""
+        batch.n_tokens = len(items)
+        for j, (tok, pos, seq, logits) in enumerate(items):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = tok, pos, 1, logits
+            batch.seq_id[j][0] = seq
+        if (rc := lc.llama_decode(ctx, batch)) != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def round_(steps: int) -> float:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        decode([(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
+        tok = prompts[0][0]
+        t0 = time.perf_counter()
+        for k in range(steps):
+            decode([(tok, len(p) + k, s, True) for s, p in enumerate(prompts)])
+        lc.llama_synchronize(ctx)
+        return n_streams * steps / (time.perf_counter() - t0)
+
+    round_(4)
+    runs = [round_(n_decode) for _ in range(repeats)]
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(mdl)
+    return {"agg_tok_s": float(np.median(runs)), "runs": runs}
+
+
 def child_main(spec: dict) -> None:
     engine = spec.pop("engine")
-    fn = strata_child if engine == "strata" else gpu_memory_floors if engine == "floors" else llama_child
+    fn = {"strata": strata_child, "floors": gpu_memory_floors, "llama": llama_child,
+          "llama_streams": llama_streams_child}[engine]
     res = fn(**spec)
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so it would include the parent's peak
     hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
@@ -191,7 +284,8 @@ class Peak:
 
 def run_polled(cmd: list[str], timeout: float, show_err: bool = False) -> tuple[int, str, str, dict]:
     """show_err: the child's stderr goes straight to ours (its progress in the log as it runs), else captured."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if show_err else subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if show_err else subprocess.PIPE, text=True,
+                            env=USER_ENV)
     peak = Peak(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -265,14 +359,18 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=16, help="decode tokens per measurement (median per token)")
     p.add_argument("--long-ctx", type=int, default=8192)
     p.add_argument("--prefill", default="512,4096")
-    p.add_argument("--repeats", type=int, default=3, help="repeats of each prefill measurement (median)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of each prefill and streams "
+                   "measurement (median)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--llama-bench", help="GPU configurations: llama.cpp's llama-bench binary built for CUDA")
     p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
     p.add_argument("--skip-strata", default="", help="comma list of measurement labels not run for strata")
-    p.add_argument("--skip-llama", action="store_true", help="GPU configurations: strata's cells only (llama.cpp's "
-                   "were measured by an earlier call on the same machine)")
+    p.add_argument("--skip-llama", action="store_true", help="strata's cells only (on the GPU: llama.cpp's were "
+                   "measured by an earlier call on the same machine)")
+    p.add_argument("--streams", default="1,2,4,8", help="cpu: the concurrent stream counts of aggregate decode")
+    p.add_argument("--stream-decode", type=int, default=64, help="cpu: decode tokens per stream (enough "
+                   "that all the streams decode at once for a while)")
     a = p.parse_args()
     if a.child:
         return child_main(json.loads(a.child))
@@ -286,8 +384,6 @@ def main() -> None:
     m = load_model(model)
     ptb = per_token_bytes(m)
     bw = host_bandwidth()
-    backend = "cpu" if a.config == "cpu" else "cuda"
-    vram = 24.0 if a.config == "budget24" else 1e6
     commit = os.environ.get("STRATA_COMMIT") or subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {a.config} | model {Path(model).name} ({m.file.size / 2**30:.2f} GiB) | {platform.processor() or ''} "
@@ -295,35 +391,57 @@ def main() -> None:
     print(f"# host read bandwidth {bw:.1f} GB/s; strata bytes/token {ptb['total'] / 2**20:.1f} MiB -> floor "
           f"{ptb['total'] / bw / 1e6:.2f} ms/token from host memory", flush=True)
 
-    jobs = [("decode ctx 0", "decode", 1), (f"decode ctx {a.long_ctx}", "decode", a.long_ctx)]
-    jobs += [(f"prefill {n}", "prefill", int(n)) for n in a.prefill.split(",")]
+    pre = [(f"prefill {n}", "prefill", int(n)) for n in a.prefill.split(",")]
+    dec = [("decode ctx 0", "decode", 1), (f"decode ctx {a.long_ctx}", "decode", a.long_ctx)]
     if a.config != "cpu":
-        return gpu_run(a, model, ptb, bw, jobs)
-    # strata prefills token by token: a 4096-token prompt is minutes of work, measured once
-    reps = {label: 1 if kind == "decode" or n > 1024 else a.repeats for label, kind, n in jobs}
+        return gpu_run(a, model, ptb, bw, dec + pre)
+    cpu_run(a, model, pre + dec + [(f"{n}-stream aggregate decode", "streams", int(n)) for n in a.streams.split(",")])
+
+
+def cpu_run(a, model: str, jobs: list) -> None:
+    """The cpu configuration: strata (one child) next to llama.cpp's Python bindings (a child per run), one table."""
+    skip = {x.strip() for x in a.skip_strata.split(",") if x.strip()}
+    # a decode measurement is already the median of --decode tokens
+    reps = {label: 1 if kind == "decode" else a.repeats for label, kind, n in jobs}
     # every expert read into the host store first, as on the GPU: the measurements see a warm engine (llama.cpp's
     # mapping is warm after its own warm-up: the file is in the page cache)
-    strata = strata_measure(dict(engine="strata", model=model, backend=backend, n_decode=a.decode, vram_gib=vram,
-                                 preload=True),
-                            [(label, kind, n, reps[label]) for label, kind, n in jobs], a.timeout)
+    mine = [(label, kind, n, reps[label]) for label, kind, n in jobs if label not in skip]
+    strata = strata_measure(dict(engine="strata", model=model, backend="cpu", n_decode=a.decode, vram_gib=1e6,
+                                 preload=True, stream_decode=a.stream_decode), mine, a.timeout) if mine else {}
+    print("| measurement | strata tok/s | llama.cpp tok/s | strata/llama.cpp | strata peak RSS GiB | "
+          "llama.cpp peak RSS GiB |")
+    print("|---|---|---|---|---|---|", flush=True)
+    rate = {}                                   # (engine, label): tok/s, for the streams' scaling line
     for label, kind, n in jobs:
-        runs = [run_child(dict(engine="llama", model=model, kind=kind, n_prompt=n, n_decode=a.decode,
-                               threads=a.threads, gpu_layers=0 if a.config == "cpu" else -1), a.timeout)
-                for _ in range(reps[label])]
-        ok = [r for r in runs if "error" not in r]
-        key = "decode_ms" if kind == "decode" else "prefill_tok_s"
-        ll = ({key: float(np.median([r[key] for r in ok])), "peak_rss_gib": max(r["peak_rss_gib"] for r in ok)}
-              if ok else {"error": runs[0]["error"]})
-        s = strata[label]
-        if "error" in s or "error" in ll:
-            print(f"| {label} | strata {s} | llama.cpp {ll} |", flush=True)
-            continue
-        if kind == "decode":
-            ts, tl = 1e3 / s["decode_ms"], 1e3 / ll["decode_ms"]
+        key = KEY[kind]
+        if a.skip_llama:
+            ll = None
+        elif kind == "streams":                 # its repeats inside the one child, after a warm-up round
+            ll = run_child(dict(engine="llama_streams", model=model, n_streams=n, n_decode=a.stream_decode,
+                                repeats=reps[label], threads=a.threads), a.timeout)
         else:
-            ts, tl = s["prefill_tok_s"], ll["prefill_tok_s"]
-        print(f"| {label} | {ts:.2f} tok/s | {tl:.2f} tok/s | {ts / tl:.3f} | {s['peak_rss_gib']:.2f} GiB | "
-              f"{ll['peak_rss_gib']:.2f} GiB |", flush=True)
+            runs = [run_child(dict(engine="llama", model=model, kind=kind, n_prompt=n, n_decode=a.decode,
+                                   threads=a.threads, gpu_layers=0), a.timeout) for _ in range(reps[label])]
+            ok = [r for r in runs if "error" not in r]
+            ll = ({key: float(np.median([r[key] for r in ok])), "peak_rss_gib": max(r["peak_rss_gib"] for r in ok)}
+                  if ok else {"error": runs[0]["error"]})
+        cells = []
+        for eng, r in (("strata", strata.get(label)), ("llama.cpp", ll)):
+            if r is None or "error" in r:
+                cells.append(("not run" if r is None else f"error: {r['error']}", "-"))
+                continue
+            rate[eng, label] = 1e3 / r[key] if kind == "decode" else r[key]
+            cells.append((f"{rate[eng, label]:.2f}", f"{r['peak_rss_gib']:.2f}"))
+        ratio = (f"{rate['strata', label] / rate['llama.cpp', label]:.3f}"
+                 if ("strata", label) in rate and ("llama.cpp", label) in rate else "-")
+        print(f"| {label} | {cells[0][0]} | {cells[1][0]} | {ratio} | {cells[0][1]} | {cells[1][1]} |", flush=True)
+    streams = [(label, n) for label, kind, n in jobs if kind == "streams"]
+    for eng in ("strata", "llama.cpp"):
+        if streams and (eng, streams[0][0]) in rate:      # the goal: 4 streams >= 2.5x one
+            base = rate[eng, streams[0][0]]
+            print(f"# {eng} aggregate decode relative to {streams[0][1]} stream(s): " + ", ".join(
+                f"{n} streams {rate[eng, label] / base:.2f}x" for label, n in streams[1:] if (eng, label) in rate),
+                flush=True)
 
 
 def gpu_run(a, model: str, ptb: dict, host_bw: float, jobs: list) -> None:
