@@ -80,6 +80,7 @@ class Batch:
     tokens: np.ndarray                               # (T,) int64
     pos: np.ndarray                                  # (T,) int64: each row's position in its sequence
     runs: tuple[tuple[SeqState, int, int], ...]
+    dumping: bool = False                            # some run's state records a StageDump
 
     @classmethod
     def of(cls, runs: list[tuple[SeqState, list[int]]]) -> "Batch":
@@ -92,7 +93,8 @@ class Batch:
             toks += list(tokens)
             pos.append(np.arange(st.pos, st.pos + len(tokens)))
             at += len(tokens)
-        return cls(np.array(toks, np.int64), np.concatenate(pos).astype(np.int64), tuple(out))
+        return cls(np.array(toks, np.int64), np.concatenate(pos).astype(np.int64), tuple(out),
+                   any(st.dump is not None for st, _ in runs))
 
     @property
     def T(self) -> int:
@@ -131,6 +133,8 @@ class RefModel:
     @staticmethod
     def _put(b: Batch, layer: int, stage: str, v: np.ndarray, rows=None) -> None:
         """Dump v's rows (one per step row; `rows` the step rows v's rows belong to) at their positions."""
+        if not b.dumping:
+            return
         for st, a, n in b.runs:
             if st.dump is None:
                 continue
