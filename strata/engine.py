@@ -7,6 +7,8 @@
 
 The async layer is a thin shell over strata.host.scheduler: generate() is one request's collector; cancelling or
 closing it aborts the request and frees its state. An engine failure reaches every open stream as EngineError.
+Every front end gets the same checks here: the context length (prompt + max_tokens <= n_ctx, else
+ContextLengthError), stop strings (held back across tokens, never emitted) and extra stop token ids.
 """
 
 from __future__ import annotations
@@ -25,12 +27,24 @@ from strata.host.scheduler import (EngineClosed, EngineError, Finished, HostConf
 from strata.host.trace import Tracer
 from strata.model.loader import Model, load_model
 from strata.reference.model import RefModel, StageDump
-from strata.sampling import SamplingParams
+from strata.sampling import SamplingParams, TokenLogprobs
+from strata.stops import StopStrings
 from strata.tokenizer import Tokenizer
 
 LOGITS_CHUNK = 256        # tokens per reference step in Engine.logits: the batch amortizes each matrix's dispatch
+DEFAULT_CTX = 8192        # the context length of a file that does not give its context_length
 
-__all__ = ["Chunk", "Engine", "EngineClosed", "EngineError", "HostConfig", "PollPolicy", "Timings"]
+__all__ = ["BackendUnavailable", "Chunk", "ContextLengthError", "Engine", "EngineClosed", "EngineError", "HostConfig",
+           "PollPolicy", "Timings"]
+
+
+class ContextLengthError(ValueError):
+    """A request that does not fit the context: prompt tokens + max_tokens > the engine's n_ctx."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot start on this machine (its package or its device is missing); the message says why and
+    what fixes it."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +54,9 @@ class Chunk:
     token: int | None              # the generated token id; None on the final chunk
     index: int                     # this token's index among the generated; the final chunk: how many there were
     prompt_tokens: int
-    finish_reason: str | None      # None, then "eos" or "length" on the final chunk
+    finish_reason: str | None      # None, then "eos", "stop" (a stop string) or "length" on the final chunk
     timings: Timings               # prefill tok/s, decode tok/s, mean ms per token by stage
+    logprobs: TokenLogprobs | None = None     # the token's, when SamplingParams.logprobs asks
 
 
 def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Backend:
@@ -51,6 +66,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         return CpuBackend(model)
     if backend == "cuda":
         from strata.cuda.backend import CudaBackend  # lazily: cuda-bindings only where there is a GPU
+        from strata.cuda.driver import CudaError, available
         experts = host.experts
         if experts == "auto":          # everything but the PLE table (it stays on disk) fits the budget, with 2 GiB
             need = sum(t.nbytes for n, t in model.file.tensors.items() if n != "per_layer_token_embd.weight")
@@ -59,9 +75,16 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         if experts not in ("vram", "host"):
             raise ValueError(f"HostConfig.experts={experts!r}: choose 'auto', 'vram' or 'host'")
         # experts="host": experts stay in host memory; the VRAM left after the dense weights is the expert cache
-        return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts, max_ctx=host.max_ctx,
-                           doorbell_timeout_s=host.poll.timeout_s, budget_counts_device=True,
-                           log=lambda s: print(s, file=sys.stderr))
+        try:
+            return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts,
+                               max_ctx=host.max_ctx, doorbell_timeout_s=host.poll.timeout_s,
+                               budget_counts_device=True, log=lambda s: print(s, file=sys.stderr))
+        except CudaError as e:
+            why = available()       # None: CUDA works and the failure is the backend's own
+            if why is None:
+                raise
+            fix = " Install it with: pip install -e '.[cuda]'" if why.startswith("cuda-bindings") else ""
+            raise BackendUnavailable(f"the cuda backend cannot start: {why}.{fix}") from e
     raise ValueError(f"unknown backend '{backend}': choose 'cpu' or 'cuda'")
 
 
@@ -77,29 +100,42 @@ class Engine:
     the token loop over a backend (generate). The backend and scheduler live on the event loop that first uses them."""
 
     def __init__(self, model: Model, exact: bool = False, *, backend: str | Backend = "cpu",
-                 host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None):
+                 host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None, n_ctx: int | None = None):
+        """n_ctx: the context length every request must fit (prompt + max_tokens); None: the file's context_length
+        (DEFAULT_CTX when it has none), at most what the backend holds (a device KV cache's max_ctx)."""
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
         self.ref = RefModel(model.weights)
         self.exact = exact
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+            raise ValueError(f"n_ctx = {n_ctx!r}: the context length is an integer >= 1")
         self.backend = make_backend(backend, model, host)
+        limit = getattr(self.backend, "max_ctx", None)
+        if n_ctx is not None and limit is not None and n_ctx > limit:
+            self.backend.close()
+            raise ValueError(f"n_ctx = {n_ctx} is past the {self.backend.name} backend's {limit} positions "
+                             f"(HostConfig.max_ctx)")
+        default = self.cfg.n_ctx_train or DEFAULT_CTX
+        self.n_ctx = n_ctx or (min(default, limit) if limit is not None else default)
         self.scheduler = Scheduler(model, self.backend, host, Tracer(os.fspath(trace) if trace else None), exact)
         self._loop: asyncio.AbstractEventLoop | None = None        # the sync wrappers' own loop
 
     @classmethod
     def open_sync(cls, path: str | os.PathLike | None = None, *, exact: bool = False, backend: str | Backend = "cpu",
-                  host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None) -> "Engine":
-        return cls(load_model(_resolve(path), exact=exact), exact=exact, backend=backend, host=host, trace=trace)
+                  host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None,
+                  n_ctx: int | None = None) -> "Engine":
+        return cls(load_model(_resolve(path), exact=exact), exact=exact, backend=backend, host=host, trace=trace,
+                   n_ctx=n_ctx)
 
     @classmethod
     async def open(cls, path: str | os.PathLike | None = None, *, exact: bool = False,
                    backend: str | Backend = "cpu", host: HostConfig = HostConfig(),
-                   trace: str | os.PathLike | None = None) -> "Engine":
+                   trace: str | os.PathLike | None = None, n_ctx: int | None = None) -> "Engine":
         """Parse and check the file on a thread; the backend is made on the calling (loop) thread, which is where
         it will be called from (a CUDA context is per thread)."""
         model = await asyncio.to_thread(lambda: load_model(_resolve(path), exact=exact))
-        return cls(model, exact=exact, backend=backend, host=host, trace=trace)
+        return cls(model, exact=exact, backend=backend, host=host, trace=trace, n_ctx=n_ctx)
 
     def check_tokens(self, tokens: Sequence[int]) -> list[int]:
         out = []
@@ -136,16 +172,29 @@ class Engine:
             prompt = ids
         return self.check_tokens(prompt)
 
+    def check_context(self, n_prompt: int, max_tokens: int) -> None:
+        """ContextLengthError unless a prompt of n_prompt tokens and max_tokens more fit the context."""
+        if n_prompt + max_tokens > self.n_ctx:
+            raise ContextLengthError(f"the context length is {self.n_ctx} tokens, but the request needs "
+                                     f"{n_prompt + max_tokens} ({n_prompt} in the prompt, max_tokens {max_tokens}): "
+                                     f"shorten the prompt, lower max_tokens or raise n_ctx (--ctx)")
+
     # ---- the async API -------------------------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        progress: Callable[[int, int], None] | None = None) -> AsyncIterator[Chunk]:
         """Stream a completion: one Chunk per generated token, then a final Chunk with the finish reason.
         `progress(done, total)` is called as each chunk of the prompt is processed (a chunk shares its step with
-        the other requests' rows)."""
+        the other requests' rows). With stop strings a token's text may come with a later chunk (it could be the
+        start of one); a stop string ends the stream ("stop") and neither it nor what follows is emitted."""
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
-        req = self.scheduler.submit(ids, params, frozenset({self.tokenizer.eos_id}))
+        self.check_context(len(ids), params.max_tokens)
+        bad = next((t for t in params.stop_token_ids if t >= self.cfg.n_vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is not a token id in [0, {self.cfg.n_vocab})")
+        req = self.scheduler.submit(ids, params, frozenset({self.tokenizer.eos_id, *params.stop_token_ids}))
         text = self.tokenizer.stream()
+        stops = StopStrings(params.stop)
         try:
             while True:
                 ev = await req.next()
@@ -153,9 +202,15 @@ class Engine:
                     if progress:
                         progress(ev.done, ev.total)
                 elif isinstance(ev, TokenOut):
-                    yield Chunk(text.push(ev.token), ev.token, ev.index, len(ids), None, ev.timings)
+                    piece, stopped = stops.push(text.push(ev.token))
+                    yield Chunk(piece, ev.token, ev.index, len(ids), None, ev.timings, ev.logprobs)
+                    if stopped:
+                        yield Chunk("", None, ev.index + 1, len(ids), "stop", ev.timings)
+                        return
                 elif isinstance(ev, Finished):
-                    yield Chunk(text.flush(), None, ev.generated, len(ids), ev.reason, ev.timings)
+                    piece, stopped = stops.push(text.flush())
+                    yield Chunk(piece if stopped else piece + stops.flush(), None, ev.generated, len(ids),
+                                "stop" if stopped else ev.reason, ev.timings)
                     return
         finally:
             self.scheduler.abort(req)

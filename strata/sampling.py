@@ -1,52 +1,175 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeded; values checked once with errors that say what to fix."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency penalties, log-probabilities,
+seeded; values checked once with errors that say what to fix.
+
+Order per token (vLLM's): penalties on the logits, then temperature, top-k, top-p, min-p. Greedy takes the argmax
+of the penalized logits. Everything is float64 with the maximum subtracted before dividing by the temperature,
+so no temperature gives NaN or inf probabilities. Log-probabilities are the model's own distribution (the raw
+logits' log-softmax, before penalties, temperature and truncation; vLLM's default): comparable across settings,
+and present for greedy requests too.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
+
+MIN_TEMPERATURE = 1e-5     # below it sampling is greedy (vLLM's threshold): so sharp a distribution is the argmax
+MAX_LOGPROBS = 20          # alternatives per token at most (OpenAI's top_logprobs limit)
+PENALTY_RANGE = 2.0        # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+REPETITION_RANGE = (0.01, 100.0)   # a float32 logit divided or multiplied by these stays finite in float64
+
+
+class SamplingError(ValueError):
+    """A sampling value out of range or of the wrong type; `param` names the SamplingParams field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _real(v) -> bool:
+    """A finite real number, bool excepted (an integer past float's range, e.g. from JSON, is not finite)."""
+    if not isinstance(v, Real) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
+def _check(name: str, ok: bool, value, want: str) -> None:
+    if not ok:
+        got = repr(value)
+        raise SamplingError(name, f"{name} must be {want}, got {got if len(got) <= 60 else got[:57] + '...'}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0       # 0 = greedy
+    temperature: float = 0.0       # 0 = greedy (and anything below MIN_TEMPERATURE)
     top_k: int = 0                 # 0 = off
     top_p: float = 1.0             # 1 = off
     seed: int | None = None
     max_tokens: int = 128
     stop_at_eos: bool = True
+    min_p: float = 0.0             # 0 = off: drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far (OpenAI's)
+    repetition_penalty: float = 1.0  # 1 = off: tokens of the prompt or the output get positive logits divided by
+                                     # it, negative ones multiplied (CTRL's, as transformers and vLLM)
+    logprobs: int | None = None    # None: none; k: the chosen token's log-probability and the k most likely
+    stop: tuple[str, ...] = ()     # stop strings: the text ends before the first one (never part of it)
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end the generation like EOS (end-of-turn tokens; like
+                                          # EOS, kept going past with stop_at_eos=False)
 
     def __post_init__(self):
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not np.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        _check("temperature", _real(t) and t >= 0, t, "a finite number >= 0 (0 = greedy)")
+        _check("top_k", _int(k) and k >= 0, k, "an integer >= 0 (0 = off)")
+        _check("top_p", _real(p) and 0 < p <= 1, p, "in (0, 1] (1 = off)")
+        _check("min_p", _real(m) and 0 <= m <= 1, m, "in [0, 1] (0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(name, _real(v) and abs(v) <= PENALTY_RANGE, v, f"in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
+        r, (lo, hi) = self.repetition_penalty, REPETITION_RANGE
+        _check("repetition_penalty", _real(r) and lo <= r <= hi, r, f"in [{lo:g}, {hi:g}] (1 = off)")
+        _check("max_tokens", _int(self.max_tokens) and self.max_tokens >= 0, self.max_tokens, "an integer >= 0")
+        if self.seed is not None:
+            _check("seed", _int(self.seed) and self.seed >= 0, self.seed, "a non-negative integer")
+        if self.logprobs is not None:
+            _check("logprobs", _int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, self.logprobs,
+                   f"an integer in [0, {MAX_LOGPROBS}]")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check("stop", isinstance(stop, Sequence) and all(isinstance(s, str) and s for s in stop), self.stop,
+               "a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        _check("stop_token_ids", isinstance(ids, Sequence) and all(_int(i) and i >= 0 for i in ids), ids,
+               "a list of token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely alternatives, under the model's distribution."""
+    logprob: float
+    top: tuple[tuple[int, float], ...]      # (token id, log-probability), most likely first (ties: lower id)
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
+    """Log-softmax of one row of logits (n_vocab,), in float64 with the maximum subtracted: the chosen token's value
+    and the k largest."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    lp = z - np.log(np.exp(z).sum())
+    if k == 0:
+        top = np.zeros(0, np.int64)
+    else:                          # every token tied with the k-th largest, then the k first by (-logprob, id)
+        kth = np.partition(lp, -k)[-k] if k < lp.size else -np.inf
+        cand = np.flatnonzero(lp >= kth)
+        top = cand[np.lexsort((cand, -lp[cand]))][:k]
+    return TokenLogprobs(float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
 
 class Sampler:
-    """Draws token ids from logits; one per sequence, so a seed gives the same text every run."""
+    """Draws token ids from logits; one per sequence, so a seed gives the same text every run. It counts the tokens
+    it returned (and knows the prompt) for the penalties; `logprobs` is the last token's when params ask for them."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()):
         self.p = params
         self.rng = np.random.default_rng(params.seed)
+        self.prompt = np.asarray(prompt, np.int64)
+        self.counts: np.ndarray | None = None    # (n_vocab,) int64: times each token was generated; penalties only
+        self.seen: np.ndarray | None = None      # (n_vocab,) bool: in the prompt or generated; penalties only
+        self.logprobs: TokenLogprobs | None = None
 
     def __call__(self, logits: np.ndarray) -> int:
         if not np.all(np.isfinite(logits)):
             raise FloatingPointError("the model produced non-finite logits (NaN or inf): the weights or the "
                                      "backend are broken")
-        if self.p.temperature == 0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / self.p.temperature
+        z = self._penalize(logits.astype(np.float64)) if self.p.penalized else logits
+        tok = int(np.argmax(z)) if self.p.greedy else self._draw(np.asarray(z, np.float64))
+        if self.p.penalized:
+            self.counts[tok] += 1
+            self.seen[tok] = True
+        if self.p.logprobs is not None:
+            self.logprobs = token_logprobs(logits, tok, self.p.logprobs)
+        return tok
+
+    def _penalize(self, z: np.ndarray) -> np.ndarray:
+        if self.counts is None:
+            self.counts = np.zeros(z.size, np.int64)
+            self.seen = np.zeros(z.size, bool)
+            self.seen[self.prompt] = True
+        p = self.p
+        if p.repetition_penalty != 1:
+            z = np.where(self.seen, np.where(z > 0, z / p.repetition_penalty, z * p.repetition_penalty), z)
+        if p.frequency_penalty or p.presence_penalty:
+            z = z - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0)
+        return z
+
+    def _draw(self, z: np.ndarray) -> int:
+        # the maximum first: every value <= 0 and the top one exactly 0, so exp never overflows and the sum is >= 1
+        z = (z - z.max()) / self.p.temperature
         if 0 < self.p.top_k < z.size:
             kth = np.partition(z, -self.p.top_k)[-self.p.top_k]
             z = np.where(z >= kth, z, -np.inf)
-        probs = np.exp(z - z.max())
+        probs = np.exp(z)
         probs /= probs.sum()
         if self.p.top_p < 1:
             order = np.argsort(-probs, kind="stable")
@@ -54,5 +177,8 @@ class Sampler:
             mask = np.zeros_like(probs, dtype=bool)
             mask[order[keep]] = True
             probs = np.where(mask, probs, 0)
+            probs /= probs.sum()
+        if self.p.min_p > 0:
+            probs = np.where(probs >= self.p.min_p * probs.max(), probs, 0)
             probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))

@@ -46,3 +46,107 @@ def test_bad_values_are_clear_errors(kw):
 def test_non_finite_logits_raise():
     with pytest.raises(FloatingPointError):
         Sampler(SamplingParams())(np.array([0.0, np.nan]))
+
+
+def test_min_p_limits_support():
+    z = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    s = Sampler(SamplingParams(temperature=1.0, min_p=0.35, seed=4))          # keeps p >= 0.175
+    drawn = [s(z) for _ in range(2000)]
+    assert set(drawn) == {0, 1}
+    assert abs(drawn.count(0) / len(drawn) - 0.5 / 0.8) < 0.05
+
+
+@pytest.mark.parametrize("t", [1e-310, 5e-324, 1e-6, 9.99e-6])
+def test_tiny_temperatures_are_greedy(t):
+    z = _logits(3)
+    assert Sampler(SamplingParams(temperature=t, seed=0))(z) == int(np.argmax(z))
+
+
+@pytest.mark.parametrize("t", [1e-5, 1e-3, 1e300])
+def test_extreme_temperatures_give_probabilities(t):
+    """Just above the greedy threshold and absurdly hot: finite probabilities that sum to one."""
+    class Recorder:
+        def __init__(self, rng):
+            self.rng, self.p = rng, None
+
+        def choice(self, n, p):
+            self.p = p
+            return self.rng.choice(n, p=p)
+
+    z = np.array([3e38, 3.4e38, -3e38, 0.0], np.float32)
+    s = Sampler(SamplingParams(temperature=t, top_p=0.9, min_p=0.01, seed=0))
+    s.rng = Recorder(s.rng)
+    tok = s(z)
+    assert np.all(np.isfinite(s.rng.p)) and abs(s.rng.p.sum() - 1) < 1e-12
+    assert tok == 1 if t < 1 else np.allclose(s.rng.p, 0.25)        # hot: uniform
+
+
+def test_repetition_penalty_matches_transformers():
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+    rng = np.random.default_rng(5)
+    prompt = [3, 7, 7, 11]
+    for penalty in (0.7, 1.3, 2.0):
+        s = Sampler(SamplingParams(repetition_penalty=penalty), prompt)
+        seq = list(prompt)
+        for _ in range(30):
+            z = rng.normal(scale=2.0, size=16).astype(np.float32)
+            z[seq[-1]] = 4.0                                    # a repeat is likely without the penalty
+            want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([seq]), torch.tensor(z[None]).double())
+            tok = s(z)
+            assert tok == int(want.argmax())
+            seq.append(tok)
+
+
+def test_presence_and_frequency_penalties():
+    """OpenAI's formula, worked by hand: logit - count * frequency - (count > 0) * presence, over generated tokens."""
+    z = np.array([1.0, 0.5, 0.0])
+    s = Sampler(SamplingParams(frequency_penalty=0.3), prompt=[0, 0, 0])     # the prompt does not count
+    assert [s(z) for _ in range(7)] == [0, 0, 1, 0, 1, 0, 2]
+    s = Sampler(SamplingParams(presence_penalty=0.6))
+    assert [s(z) for _ in range(4)] == [0, 1, 0, 0]
+    s = Sampler(SamplingParams(presence_penalty=-2.0))                       # negative: repeat on purpose
+    assert [s(np.array([1.0, 1.5])) for _ in range(3)] == [1, 1, 1]
+
+
+def test_logprobs_are_the_models_log_softmax():
+    import torch
+    z = _logits(9, n=64)
+    want = torch.log_softmax(torch.tensor(z).double(), -1).numpy()
+    s = Sampler(SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.5, logprobs=4, seed=1), prompt=[1])
+    tok = s(z)
+    assert abs(s.logprobs.logprob - want[tok]) < 1e-12
+    order = np.argsort(-want, kind="stable")[:4]
+    assert [i for i, _ in s.logprobs.top] == order.tolist()
+    assert np.allclose([v for _, v in s.logprobs.top], want[order], rtol=0, atol=1e-12)
+    assert Sampler(SamplingParams())(z) == int(np.argmax(z)) and Sampler(SamplingParams()).logprobs is None
+
+
+def test_logprobs_ties_and_sizes():
+    z = np.array([1.0, 3.0, 3.0, 0.0, 3.0])
+    s = Sampler(SamplingParams(logprobs=2))
+    assert s(z) == 1 and [i for i, _ in s.logprobs.top] == [1, 2]            # ties: the lower id first
+    s = Sampler(SamplingParams(logprobs=0))
+    s(z)
+    assert s.logprobs.top == ()
+    s = Sampler(SamplingParams(logprobs=20))
+    s(z)
+    assert [i for i, _ in s.logprobs.top] == [1, 2, 4, 0, 3]
+
+
+@pytest.mark.parametrize("kw", [dict(min_p=-0.1), dict(min_p=1.5), dict(presence_penalty=2.5),
+                                dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
+                                dict(repetition_penalty=1000.0), dict(logprobs=21), dict(logprobs=-1),
+                                dict(stop=[""]), dict(stop=[1]), dict(stop_token_ids=[-1]), dict(temperature=True),
+                                dict(top_k=2.0), dict(max_tokens=True), dict(temperature="0.5"),
+                                dict(temperature=float("inf"))])
+def test_more_bad_values_name_their_parameter(kw):
+    from strata.sampling import SamplingError
+    with pytest.raises(SamplingError, match=next(iter(kw))) as e:
+        SamplingParams(**kw)
+    assert e.value.param == next(iter(kw))
+
+
+def test_stop_and_stop_ids_are_normalized():
+    p = SamplingParams(stop="END", stop_token_ids=[np.int64(5), 7])
+    assert p.stop == ("END",) and p.stop_token_ids == (5, 7) and type(p.stop_token_ids[0]) is int
