@@ -24,6 +24,8 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       thread of this process; the scheduler then awaits its end instead of polling
     launch_whole(step, e)             optional, with `experts == "vram"`: the whole step as one device job with no
                                       host round trip (every expert resident); then poll_logits
+    snapshot(seq) -> (snap, nbytes)   optional: a copy of a sequence's state between steps (prefix reuse)
+    restore(snap) -> seq              optional: a new live sequence holding a copy of that state
 
 The scheduler never touches device memory and never blocks on the device: it polls. A backend raises
 `BackendError` from any call once the device has failed; the scheduler turns it into an error on every open
@@ -44,8 +46,11 @@ import numpy as np
 
 from strata.config import ModelConfig
 from strata.model.loader import Model
+from strata.reference.gdn import GdnState
 from strata.reference.model import Batch, PreOut, RefModel, SeqState, StageDump
 from strata.reference.moe import group_by_expert
+from strata.reference.ple import NgramWindow, PleState
+from strata.reference.qsa import QsaState
 
 
 class BackendError(RuntimeError):
@@ -151,6 +156,22 @@ class _CpuSeq:
     st: SeqState | None
 
 
+def _copy_state(st: SeqState) -> SeqState:
+    """A deep copy of a sequence's state (no dump: a snapshot records nothing)."""
+    return SeqState(
+        st.pos,
+        {il: GdnState(g.conv.copy(), g.S.copy()) for il, g in st.gdn.items()},
+        {il: QsaState(*(r.copy() for r in (q.k, q.v, q.idx_raw, q.idx_blocks))) for il, q in st.qsa.items()},
+        None if st.ple is None else PleState(st.ple.hist.copy()),
+        None if st.window is None else NgramWindow(st.window.prev))
+
+
+def _state_bytes(st: SeqState) -> int:
+    return (sum(g.conv.nbytes + g.S.nbytes for g in st.gdn.values())
+            + sum(r.a.nbytes for q in st.qsa.values() for r in (q.k, q.v, q.idx_raw, q.idx_blocks))
+            + (0 if st.ple is None else st.ple.hist.nbytes))
+
+
 class CpuBackend:
     """The numpy reference as a device: its stages run in launch order on one worker thread (a stream); the future
     of a stage is its doorbell.
@@ -186,6 +207,17 @@ class CpuBackend:
         if seq.st is not None:
             self.live -= 1
         seq.st = None
+
+    def snapshot(self, seq: _CpuSeq) -> tuple[SeqState, int]:
+        """A copy of seq's state (between steps: nothing of it is in flight) and its bytes."""
+        if self.job is not None and not self.job.done():
+            raise BackendError("snapshot: a stage is running")
+        snap = _copy_state(seq.st)
+        return snap, _state_bytes(snap)
+
+    def restore(self, snap: SeqState) -> _CpuSeq:
+        self.live += 1
+        return _CpuSeq(_copy_state(snap))
 
     def begin(self, step: Step) -> None:
         """Queued like every stage: a step the host gave up on (a read failed) may still have a post running."""

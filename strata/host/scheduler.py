@@ -31,11 +31,12 @@ import numpy as np
 from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PleReader
+from strata.host.prefix import Prefix, PrefixCache
 from strata.host.trace import KINDS, StepTrace, Tracer, clock
 from strata.model.loader import Model
 from strata.reference.common import F32
 from strata.reference.ple import NgramWindow, ple_rows
-from strata.sampling import Sampler, SamplingParams
+from strata.sampling import Sampler, SamplingParams, TokenLogprobs
 
 
 class DoorbellTimeout(BackendError):
@@ -74,6 +75,8 @@ class HostConfig:
                                             # "host" (the cache above), "auto": vram when the budget holds them
     step_tokens: int = 512                  # rows per step at most (decode rows, then prompt chunks); the
                                             # backend's max_step_tokens caps it
+    prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
+                                            # a backend that can copy its state (CpuBackend) takes them
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
@@ -103,6 +106,7 @@ class TokenOut:
     index: int              # generated index; when scoring, the position
     logits: np.ndarray | None
     timings: Timings
+    logprobs: TokenLogprobs | None = None     # the sampler's, when its params ask for them
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class Request:
     window: NgramWindow | None       # the n-gram window after the tokens fed so far
     seq: object | None = None
     pos: int = 0                     # tokens fed so far
+    fed: list[int] = field(default_factory=list)      # ... and which (the key of a snapshot of its state)
+    reused: int = 0                  # prompt tokens a snapshot gave it (not computed)
     next_token: int = -1             # decoding: the token the next step feeds
     generated: int = 0
     aborted: bool = False
@@ -166,7 +172,7 @@ class Request:
         pre = (self.t_prefill or self.t_last) - self.t_first
         # the first token comes from the prompt's last logits; each later one took a decode step
         dec = self.t_last - self.t_prefill if self.t_prefill else 0.0
-        return Timings(min(self.pos, len(self.prompt)) / pre if pre > 0 else 0.0,
+        return Timings((min(self.pos, len(self.prompt)) - self.reused) / pre if pre > 0 else 0.0,
                        (self.generated - 1) / dec if self.generated > 1 and dec > 0 else 0.0, ms)
 
 
@@ -205,6 +211,8 @@ class Scheduler:
         self.ple = PleReader(model.file.path, model.file.tensor("per_layer_token_embd.weight"),
                              ThreadPoolExecutor(1, thread_name_prefix="strata-ple")) if has_ple else None
         self.ple_layer = self.cfg.ple_layers[0] if has_ple else -1
+        self.prefixes = (PrefixCache(host.prefix_cache_bytes)
+                         if host.prefix_cache_bytes > 0 and hasattr(backend, "snapshot") else None)
         self._active: deque[Request] = deque()
         self._current: list[Request] = []         # the requests of the step in flight
         self._live: set[Request] = set()
@@ -238,7 +246,7 @@ class Scheduler:
             raise ValueError(f"token id {bad} is not in [0, {self.cfg.n_vocab})")
         self._start_driver()
         self._ids += 1
-        req = Request(self._ids, list(prompt), Sampler(params) if params else None,
+        req = Request(self._ids, list(prompt), Sampler(params, prompt) if params else None,
                       params.max_tokens if params else 0, stop_ids if params and params.stop_at_eos else frozenset(),
                       asyncio.Queue(), NgramWindow.start(self.cfg) if self.ple else None)
         self._active.append(req)
@@ -372,8 +380,7 @@ class Scheduler:
             if req.seq is None:
                 if self.backend.max_seqs is not None and self.live >= self.backend.max_seqs:
                     continue                     # waits for a sequence
-                req.seq = self.backend.new_seq()
-                self._live.add(req)
+                self._new_seq(req)
             n = min(budget, len(req.prompt) - req.pos)
             ends = req.pos + n == len(req.prompt)
             plan.append((req, req.prompt[req.pos:req.pos + n], "all" if req.sampler is None else
@@ -384,6 +391,27 @@ class Scheduler:
         self._active = deque([r for r in self._active if id(r) not in served] +
                              [r for r in self._active if id(r) in served])
         return plan
+
+    def _new_seq(self, req: Request) -> None:
+        """A sequence for a request about to be fed: resumed from the longest snapshot its prompt starts with (a
+        request that scores its prompt needs every position's logits, so it starts from nothing)."""
+        hit = self.prefixes.longest(req.prompt) if self.prefixes is not None and req.sampler is not None else None
+        if hit is None:
+            req.seq = self.backend.new_seq()
+        else:
+            req.seq = self.backend.restore(hit.snap)
+            req.pos, req.fed, req.reused = len(hit.tokens), list(hit.tokens), len(hit.tokens)
+            req.window = None if hit.window is None else NgramWindow(hit.window.prev)
+            self.tracer.prefix(req.id, len(hit.tokens), len(req.prompt))
+        self._live.add(req)
+
+    def _keep_prefix(self, req: Request) -> None:
+        """Snapshot req's sequence (between steps) under the tokens it was fed."""
+        key = tuple(req.fed)
+        if self.prefixes is None or req.seq is None or key in self.prefixes:
+            return
+        snap, nbytes = self.backend.snapshot(req.seq)
+        self.prefixes.put(Prefix(key, snap, None if req.window is None else NgramWindow(req.window.prev), nbytes))
 
     def _fail(self, reqs: list[Request], e: BaseException) -> None:
         """Each request gets its own error (one exception instance per stream) and is released."""
@@ -432,22 +460,25 @@ class Scheduler:
             if req.window is not None:
                 req.window.advance_all(self.cfg, toks)
             req.pos += len(toks)
-            if req.pos == len(req.prompt) and not req.t_prefill:
-                req.t_prefill = t_s
-            if not req.aborted:
-                try:
-                    done = self._after_rows(req, len(toks), rows, t_s)
-                except Exception as e:           # its own sampler: this request only
-                    self._fail([req], e)
-                    continue
-                if done:
-                    req.steps += 1
-                    self._account(req, st, t_s)
-                    self._deliver(req, Finished(done, req.generated, req.timings()))
-                    self._release(req)
-                    continue
+            req.fed += toks
+            if req.pos == len(req.prompt):
+                req.t_prefill = req.t_prefill or t_s
+                if req.sampler is not None:
+                    self._keep_prefix(req)       # a later prompt that starts with this one resumes here
             req.steps += 1
+            if req.aborted:
+                continue
+            try:
+                done = self._after_rows(req, len(toks), rows, t_s)
+            except Exception as e:               # its own sampler: this request only
+                self._fail([req], e)
+                continue
             self._account(req, st, t_s)
+            if done:
+                if req.sampler is not None:
+                    self._keep_prefix(req)       # the conversation so far: the next turn starts with it
+                self._deliver(req, Finished(done, req.generated, req.timings()))
+                self._release(req)
         st.span("sample", -1, t_s, clock())
         st.t1 = clock()
         self.tracer.emit(st)
@@ -475,7 +506,7 @@ class Scheduler:
         if tok in req.stop_ids:
             return "eos"
         req.t_last = now
-        self._deliver(req, TokenOut(tok, req.generated, None, req.timings()))
+        self._deliver(req, TokenOut(tok, req.generated, None, req.timings(), req.sampler.logprobs))
         req.generated += 1
         req.next_token = tok
         return "length" if req.generated >= req.max_tokens else None

@@ -127,6 +127,11 @@ class Tracer:
         if self._log is not None:
             self._log.info("step", **step.record())
 
+    def prefix(self, req: int, reused: int, prompt: int) -> None:
+        """A request resumed from a snapshot: `reused` of its `prompt` tokens were not computed again."""
+        if self._log is not None:
+            self._log.info("prefix", req=req, reused=reused, prompt=prompt)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -135,8 +140,8 @@ class Tracer:
 
 # ---- the summary ------------------------------------------------------------------------------------------------
 
-def load(path: str) -> list[dict]:
-    """The step records of a trace file (other events are skipped); ValueError naming the line when broken."""
+def load(path: str, event: str = "step") -> list[dict]:
+    """The records of one event of a trace file ("step", or "prefix"); ValueError naming the line when broken."""
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -146,7 +151,7 @@ def load(path: str) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-            if rec.get("event") == "step":
+            if rec.get("event") == event:
                 out.append(rec)
     return out
 
@@ -239,10 +244,15 @@ def _pct(a: float, b: float) -> str:
     return f"{100 * a / b:5.1f}%" if b > 0 else "    -"
 
 
-def format_summary(phases: list[PhaseSummary]) -> str:
+def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str:
+    """The table of every step kind; `prefixes` the trace's prefix records (load(path, "prefix"))."""
     if not phases:
         return "no steps in the trace"
     lines = []
+    if prefixes:
+        lines.append(f"prefix reuse: {len(prefixes)} requests resumed from a snapshot, "
+                     f"{sum(p['reused'] for p in prefixes)} of their {sum(p['prompt'] for p in prefixes)} prompt "
+                     f"tokens not computed again")
     for p in phases:
         what = {"prefill": f"{p.prompt_tokens} prompt tokens", "decode": f"{p.decode_tokens} decoded tokens",
                 "mixed": f"{p.prompt_tokens} prompt + {p.decode_tokens} decoded tokens"}[p.phase]

@@ -43,6 +43,12 @@ class _Rows:
     def view(self) -> np.ndarray:
         return self.a[:self.n]
 
+    def copy(self) -> "_Rows":
+        """The rows so far in an array of their own (room for no more: the next extend grows it)."""
+        out = _Rows(self.a.shape[1:])
+        out.a, out.n = self.a[:self.n].copy(), self.n
+        return out
+
 
 @dataclass
 class QsaState:
