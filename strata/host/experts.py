@@ -20,6 +20,7 @@ import numpy as np
 
 from strata.host.ple_io import pread_into
 from strata.host.trace import clock
+from strata.model.gguf_file import FileGuard
 from strata.model.loader import Model
 from strata.quant import QType
 from strata.model.weights import Mat
@@ -115,6 +116,7 @@ class ExpertStore:
                  alloc: Callable[[int], np.ndarray] | None = None):
         self.path, self.layout, self.budget, self.pool, self.alloc = path, layout, budget_bytes, pool, alloc
         self.fd = os.open(path, os.O_RDONLY)
+        self.guard = FileGuard(self.fd, path)       # a changed file fails the read, not the process
         self.bytes = 0
         self.reads = 0
         self._lru: OrderedDict[tuple[int, int], ExpertBlob] = OrderedDict()
@@ -143,6 +145,7 @@ class ExpertStore:
         try:
             t0 = clock()
             slices = self.layout.layers[layer]
+            self.guard.check()
             blob = ExpertBlob(layer, expert, slices, self.alloc)
             for s in slices:
                 os.posix_fadvise(self.fd, s.offset(expert), s.nbytes, os.POSIX_FADV_WILLNEED)

@@ -4,6 +4,8 @@ GGUF with pread, then dequantized.
 The table (28.8 GB at the real geometry) is read by rows at their file offsets, not through the mapping, so a
 step's reads can be issued together on an I/O thread as soon as its tokens are known: POSIX_FADV_WILLNEED on
 every row first puts all of them in flight at once, instead of one read at a time at queue depth 1 (33 us each).
+A read error, a short read, or a file changed since it was opened (FileGuard: size, mtime) is an OSError naming the
+file, which fails the requests of the step that needed the rows.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata.host.trace import clock
-from strata.model.gguf_file import TensorInfo
+from strata.model.gguf_file import FileGuard, TensorInfo
 from strata.quant import dequantize
 
 
@@ -50,6 +52,7 @@ class PleReader:
         self.qtype = table.qtype
         self.base, self.row_bytes = table.offset, table.row_bytes      # absolute file offset of row 0
         self.fd = os.open(path, os.O_RDONLY)
+        self.guard = FileGuard(self.fd, path)
 
     def start(self, rows: np.ndarray) -> Future:
         """Begin reading table rows `rows` (U,) (a step's, deduplicated); the future gives PleRows."""
@@ -57,6 +60,7 @@ class PleReader:
 
     def read_rows(self, rows: np.ndarray) -> PleRows:
         t0 = clock()
+        self.guard.check()
         offsets = [self.base + int(r) * self.row_bytes for r in rows]
         for off in offsets:                  # every read in flight at once: the kernel queues them all
             os.posix_fadvise(self.fd, off, self.row_bytes, os.POSIX_FADV_WILLNEED)

@@ -2,7 +2,9 @@
 
 Attribute names are the GGUF tensor names (`blk.N.ssm_alpha.weight` -> `layers[N].ssm_alpha`), so the math in
 `strata.reference` reads like the checkpoint. Every tensor's type and shape is checked against ModelConfig here,
-once; nothing downstream re-checks.
+once; nothing downstream re-checks. The type check is what the CPU kernels run on that tensor: a matrix type
+without a kernel (Q8_1, Q8_K: llama.cpp's activation formats) fails here, naming the tensor, not at the first
+token. A Mat over the mapping checks the file is unchanged before each use (see strata.model.gguf_file.FileGuard).
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.config import ModelConfig
-from strata.model.gguf_file import GGUFError, GGUFFile, TensorInfo
+from strata.model.gguf_file import FileGuard, GGUFError, GGUFFile, TensorInfo
 from strata.model.schema import FLOAT_TYPES, Spec, all_specs
 from strata.quant import QType, dequantize, dequantize_rows
 from strata.quant.matmul import matmul
+from strata.quant.matvec import _KERNELS as _MATVEC_KERNELS
+
+# what strata.quant.matmul runs (the float types, and every type with a quantized matvec kernel)
+MATRIX_TYPES = tuple(t.name for t in QType if t.name in FLOAT_TYPES or t in _MATVEC_KERNELS)
 
 
 class Mat:
@@ -25,10 +31,11 @@ class Mat:
     """
 
     def __init__(self, name: str, qtype: QType, raw: np.ndarray, n_out: int, n_in: int, n_mat: int = 1,
-                 exact: bool = False):
+                 exact: bool = False, guard: FileGuard | None = None):
         self.name, self.qtype, self.n_out, self.n_in, self.n_mat = name, qtype, n_out, n_in, n_mat
         self.raw = raw                      # (n_mat * n_out, row_bytes) uint8, or (rows, n_in) f32 for F32
         self.exact = exact
+        self.guard = guard                  # the mapped file's, when raw is a view of it
 
     @classmethod
     def from_tensor(cls, t: TensorInfo, exact: bool) -> "Mat":
@@ -38,34 +45,42 @@ class Mat:
         raw = t.rows()
         if t.qtype == QType.F32:
             raw = raw.view(np.float32)      # BLAS straight from the mapping
-        return cls(t.name, t.qtype, raw, n_out, n_in, n_mat, exact)
+        return cls(t.name, t.qtype, raw, n_out, n_in, n_mat, exact, t.guard)
 
     def __getitem__(self, e: int) -> "Mat":
         if not 0 <= e < self.n_mat:
             raise IndexError(f"{self.name}: matrix {e} of {self.n_mat}")
         return Mat(f"{self.name}[{e}]", self.qtype, self.raw[e * self.n_out:(e + 1) * self.n_out],
-                   self.n_out, self.n_in, 1, self.exact)
+                   self.n_out, self.n_in, 1, self.exact, self.guard)
 
     def rows_slice(self, start: int, stop: int) -> "Mat":
         """Rows [start, stop) as a matrix of their own (a fused gate|up split)."""
         return Mat(f"{self.name}[{start}:{stop}]", self.qtype, self.raw[start:stop], stop - start, self.n_in, 1,
-                   self.exact)
+                   self.exact, self.guard)
+
+    def _check(self) -> None:
+        # ~1.5 us of fstat against a matmul's tens of us and up: a truncated file is an OSError, not SIGBUS
+        if self.guard is not None:
+            self.guard.check()
 
     def __matmul__(self, x: np.ndarray) -> np.ndarray:
         """W x for x (n_in,) -> (n_out,), or every row of x (T, n_in) -> (T, n_out). Row t of a batch is bit for bit
         what that row alone gives (the per-row kernels of strata.quant, F32 included: no BLAS, whose blocking
         would make a row's rounding depend on T), so a batched step equals the token-by-token one."""
+        self._check()
         if x.ndim == 1:
             return matmul(self.raw, self.qtype, x[None, :], exact=self.exact)[0]
         return matmul(self.raw, self.qtype, x, exact=self.exact)
 
     def row(self, i: int) -> np.ndarray:
         """One row dequantized (an embedding lookup), without touching the rest of the table."""
+        self._check()
         return dequantize_rows(self.raw if self.qtype != QType.F32 else self.raw.view(np.uint8), self.qtype,
                                np.array([i]))[0]
 
     def dense(self) -> np.ndarray:
         """The whole matrix as float32 (tests and tiny models only)."""
+        self._check()
         raw = self.raw.view(np.uint8) if self.qtype == QType.F32 else self.raw
         return dequantize(raw, self.qtype).reshape(self.n_mat * self.n_out, self.n_in)
 
@@ -153,7 +168,8 @@ def _attr(name: str) -> str:
     return base.removesuffix(".weight").removesuffix(".bias").replace(".", "_")
 
 
-def check_tensor(gf: GGUFFile, spec: Spec) -> TensorInfo:
+def check_tensor(gf: GGUFFile, spec: Spec, lm_head: bool = False) -> TensorInfo:
+    """The tensor of `spec`, its shape and its type checked; `lm_head`: token_embd is also the LM head (tied)."""
     t = gf.tensor(spec.name)
     if spec.name == "per_layer_token_embd.weight":
         # the converter pads the table to a multiple of 128 rows; the hash ranges set the minimum
@@ -167,19 +183,32 @@ def check_tensor(gf: GGUFFile, spec: Spec) -> TensorInfo:
     if spec.vector and t.qtype.name not in FLOAT_TYPES:
         raise GGUFError(f"{gf.path}: tensor '{spec.name}' is {t.qtype.name}; strata expects "
                         f"{'/'.join(FLOAT_TYPES)} for norms and per-head vectors")
+    # the PLE table and an untied embedding are read by rows (dequantize takes every type); the rest are matmuls
+    by_rows = spec.name == "per_layer_token_embd.weight" or spec.name == "token_embd.weight" and not lm_head
+    if not spec.vector and not by_rows and t.qtype.name not in MATRIX_TYPES:
+        role = "the LM head (there is no output.weight)" if lm_head else "a matrix"
+        raise GGUFError(f"{gf.path}: tensor '{spec.name}' is {t.qtype.name}, which strata's CPU kernels do not run "
+                        f"as {role}; the matrix types are {', '.join(MATRIX_TYPES)}")
     return t
 
 
 def load_weights(gf: GGUFFile, cfg: ModelConfig, exact: bool = False) -> Weights:
     """Check every tensor against `cfg` and wrap it. `exact` selects f32 activations in quantized matvecs."""
     found: dict[str, TensorInfo] = {}
+    tied = "output.weight" not in gf
     for spec in all_specs(cfg):
         if spec.name in gf:
-            found[spec.name] = check_tensor(gf, spec)
+            found[spec.name] = check_tensor(gf, spec, lm_head=tied and spec.name == "token_embd.weight")
         elif spec.required:
             fused = spec.name.replace("ffn_gate_exps", "ffn_gate_up_exps").replace("ffn_up_exps", "ffn_gate_up_exps")
             if fused == spec.name or fused not in gf:
                 raise GGUFError(f"{gf.path}: missing tensor '{spec.name}'")
+    unused = [n for n in gf.tensors if n not in found]
+    if unused:
+        # llama.cpp refuses these too ("wrong number of tensors"): a tensor nobody reads is a file misdescribed
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise GGUFError(f"{gf.path}: tensor {unused[0]!r}{more} is not part of the model the metadata describes: "
+                        f"a key such as block_count or ple.layers does not match the tensors")
 
     def wrap(t: TensorInfo, spec_vector: bool):
         if spec_vector:
