@@ -3,7 +3,47 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help; an unset default (None, or False for a flag) is said in words."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Subcommand parsers are of the parent's class, so each gets the formatter."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_Help, **kwargs)
+
+
+def _progress(done: int, total: int) -> None:
+    """Prompt progress: a live line on a terminal, one line per update where stderr is a file or a pipe."""
+    if sys.stderr.isatty():
+        print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    else:
+        print(f"prompt {done}/{total}", file=sys.stderr, flush=True)
+
+
+def _host(a):
+    from strata.engine import HostConfig
+    ctx = {} if a.ctx is None else {"max_ctx": a.ctx}       # the CUDA KV cache holds the context asked for
+    return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
+                      step_tokens=a.step_tokens, **ctx)
+
+
+def _sampling(a, **kw):
+    from strata.sampling import SamplingParams
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                          presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                          repetition_penalty=a.repetition_penalty, stop=tuple(a.stop or ()),
+                          stop_at_eos=not a.ignore_eos, **kw)
 
 
 def _tokens(s: str) -> list[int]:
@@ -16,19 +56,12 @@ def _tokens(s: str) -> list[int]:
 def cmd_generate(a) -> int:
     import uvloop
 
-    from strata.engine import Engine, EngineError, HostConfig
-    from strata.sampling import SamplingParams
-    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                            max_tokens=a.max_tokens, stop_at_eos=not a.ignore_eos)
-
-    def progress(done: int, total: int) -> None:
-        print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    from strata.engine import BackendUnavailable, Engine, EngineError
+    params = _sampling(a, max_tokens=a.max_tokens)
 
     async def run() -> None:
-        host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
-                          step_tokens=a.step_tokens)
-        async with await Engine.open(a.model, backend=a.backend, host=host, trace=a.trace) as eng:
-            async for c in eng.generate(a.prompt, params, progress=progress):
+        async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx) as eng:
+            async for c in eng.generate(a.prompt, params, progress=_progress):
                 sys.stdout.write(c.text)
                 sys.stdout.flush()
         t = c.timings
@@ -38,28 +71,125 @@ def cmd_generate(a) -> int:
 
     try:
         uvloop.run(run())
+    except BackendUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except EngineError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     return 0
 
 
+def cmd_chat(a) -> int:
+    """An interactive chat on stdin: each line is a user turn, answered under the model's chat template with the
+    whole history; /clear forgets it, /exit or end of input ends."""
+    from strata.chat import ChatFormat
+    from strata.engine import BackendUnavailable, ContextLengthError, Engine, EngineError
+    try:
+        eng = Engine.open_sync(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx)
+    except BackendUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tty = sys.stdin.isatty()
+    with eng:
+        fmt = ChatFormat.of(eng)
+        start = [{"role": "system", "content": a.system}] if a.system else []
+        history = list(start)
+        kwargs = {"enable_thinking": False} if a.no_think else {}
+        if tty:
+            print(f"chat (context {eng.n_ctx} tokens): /clear forgets the conversation, /exit or Ctrl-D ends",
+                  file=sys.stderr)
+        while True:
+            try:
+                line = input("> " if tty else "")
+            except EOFError:
+                break
+            if line.strip() == "/exit":
+                break
+            if line.strip() == "/clear":
+                history = list(start)
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            ids = fmt.prompt_ids(history, **kwargs)
+            params = _sampling(a, max_tokens=a.max_tokens or max(eng.n_ctx - len(ids), 1),
+                               stop_token_ids=fmt.end_of_turn)
+            reply = []
+            try:
+                for c in eng.generate_iter(ids, params):
+                    sys.stdout.write(c.text)
+                    sys.stdout.flush()
+                    reply.append(c.text)
+            except ContextLengthError as e:
+                history.pop()
+                print(f"error: {e}; /clear starts a new conversation", file=sys.stderr)
+                continue
+            except EngineError as e:
+                print(f"\nerror: {e}", file=sys.stderr)
+                return 1
+            print()
+            history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_serve(a) -> int:
+    import asyncio
+    import signal
+    from pathlib import Path
+
+    import uvloop
+
+    from strata.engine import BackendUnavailable, Engine
+    from strata.server import serve
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):      # a clean stop: requests aborted, the engine closed
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx) as eng:
+            name = a.name or Path(eng.model.file.path).stem
+            await serve(eng, host=a.host, port=a.port, api_key=a.api_key, name=name, stop=stop,
+                        ready=lambda host, port: print(
+                            f"serving {name} (context {eng.n_ctx} tokens) at http://{host}:{port}/v1"
+                            f"{' (API key required)' if a.api_key else ''}", file=sys.stderr, flush=True))
+
+    try:
+        uvloop.run(run())
+    except BackendUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_trace(a) -> int:
     from strata.host.trace import format_summary, load, summarize
-    print(format_summary(summarize(load(a.file))))
+    print(format_summary(summarize(load(a.file)), load(a.file, "prefix")))
     return 0
 
 
 def cmd_logits(a) -> int:
     import numpy as np
+
+    from strata.diagnose import first_nonfinite
     from strata.engine import Engine
     from strata.reference.model import StageDump
-    eng = Engine.open_sync(a.model, exact=a.exact)
-    dump = StageDump() if a.dump else None
-    out = eng.logits(a.tokens, dump=dump)
-    np.save(a.out, out.astype(np.float32))
+    with Engine.open_sync(a.model, exact=a.exact) as eng:
+        dump = StageDump() if a.dump else None
+        with np.errstate(all="ignore"):      # a non-finite logit is reported below, where it came from
+            out = eng.logits(a.tokens, dump=dump).astype(np.float32)
+        bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
+        if bad.size:
+            where = first_nonfinite(eng.model, a.tokens, ref=eng.ref)
+            cause = (f"the first non-finite value is at {where}: the weights are broken (`cli.py inspect "
+                     f"{a.model} --check-weights` scans every tensor)" if where else
+                     "a re-run of the reference found every value finite")
+            raise FloatingPointError(f"the logits at position {bad[0]} are not finite (NaN or inf); {cause}")
+    with open(a.out, "wb") as f:            # exactly these names: np.save(path) would append .npy, savez .npz
+        np.save(f, out)
     if dump is not None:
-        dump.save(a.dump)
+        with open(a.dump, "wb") as f:
+            dump.save(f)
     print(f"wrote {a.out}: float32 {list(out.shape)}", file=sys.stderr)
     return 0
 
@@ -67,7 +197,12 @@ def cmd_logits(a) -> int:
 def cmd_inspect(a) -> int:
     from strata.inspect import report
     from strata.model.loader import load_model
-    print(report(load_model(a.model)))
+    from strata.model.validate import scan_finite
+    m = load_model(a.model)
+    print(report(m))
+    if a.check_weights:
+        scan_finite(m.file)
+        print(f"weights   every value of the {len(m.file.tensors)} tensors is finite")
     return 0
 
 
@@ -83,31 +218,71 @@ def cmd_make_model(a) -> int:
     return 0
 
 
+def _engine_options(g) -> None:
+    g.add_argument("--model", "-m", help="GGUF file (default: the embedded tiny model)")
+    g.add_argument("--ctx", type=int, default=None,
+                   help="context length: a request's prompt + max tokens must fit (default: the model's "
+                        "context_length; with --backend cuda at most 8192, as the device's KV cache is reserved "
+                        "for --ctx positions)")
+    g.add_argument("--backend", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    g.add_argument("--vram-budget-gib", type=float, default=24.0,
+                   help="CUDA: device memory in use while the engine runs, its CUDA context and graphs included")
+    g.add_argument("--experts", default="auto", choices=["auto", "vram", "host"],
+                   help="CUDA: every expert in VRAM, or experts in host memory behind a VRAM cache; auto: vram "
+                        "when the budget holds every weight")
+    g.add_argument("--step-tokens", type=int, default=512,
+                   help="tokens per step at most: decode rows first, then prompt chunks (the CUDA backend takes 1)")
+    g.add_argument("--trace", metavar="FILE", help="write per-step latency traces here (JSON lines)")
+
+
+def _sampling_options(g, max_tokens: int | None) -> None:
+    g.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
+                   help="tokens to generate at most" + ("" if max_tokens else " (default: the rest of the context)"))
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set this likely; 1 = off")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one; 0 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of each token generated so far, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted once per time a token was generated so far, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="tokens of the prompt and output: positive logits divided by it, negative multiplied; "
+                        "1 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop before this text (repeat for more; default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS (and end-of-turn tokens)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="cli.py", description="Strata: Qwen3.8-Flash-Next (qwen4exp) inference")
+    p = _Parser(prog="cli.py", description="Strata: Qwen3.8-Flash-Next (qwen4exp) inference")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("prompt", nargs="?", default="Once upon a time")
-    g.add_argument("--model", "-m", help="GGUF file (default: the embedded tiny model)")
-    g.add_argument("--max-tokens", "-n", type=int, default=64)
-    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    g.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--vram-budget-gib", type=float, default=24.0,
-                   help="CUDA: device memory in use while the engine runs, its CUDA context and graphs included "
-                        "(default 24)")
-    g.add_argument("--experts", default="auto", choices=["auto", "vram", "host"],
-                   help="CUDA: every expert in VRAM, or experts in host memory behind a VRAM cache; auto: vram "
-                        "when the budget holds every weight (default)")
-    g.add_argument("--step-tokens", type=int, default=512,
-                   help="tokens per step at most: decode rows first, then prompt chunks (default 512; the CUDA "
-                        "backend takes 1)")
-    g.add_argument("--trace", metavar="FILE", help="write per-step latency traces here (JSON lines)")
+    g.add_argument("prompt", nargs="?", default="Once upon a time", help="the prompt text")
+    _sampling_options(g, 64)
+    _engine_options(g)
     g.set_defaults(fn=cmd_generate)
+
+    ch = sub.add_parser("chat", help="an interactive chat on stdin, under the model's chat template")
+    ch.add_argument("--system", help="a system message to start the conversation with (default: none)")
+    ch.add_argument("--no-think", action="store_true",
+                    help="pass enable_thinking=false to the template (Qwen3: no <think> reasoning)")
+    _sampling_options(ch, None)
+    _engine_options(ch)
+    ch.set_defaults(fn=cmd_chat)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
+                                      "/v1/models, /health")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    sv.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/ (default: $STRATA_API_KEY; unset: no key)")
+    sv.add_argument("--name", help="the model's id in the API (default: the GGUF file name without .gguf)")
+    _engine_options(sv)
+    sv.set_defaults(fn=cmd_serve)
 
     tr = sub.add_parser("trace", help="summarize a --trace file: where each step's time went")
     tr.add_argument("file")
@@ -116,29 +291,32 @@ def main(argv: list[str] | None = None) -> int:
     lg = sub.add_parser("logits", help="teacher-forced logits of a token sequence to a .npy file")
     lg.add_argument("model")
     lg.add_argument("--tokens", type=_tokens, required=True, help="comma-separated token ids")
-    lg.add_argument("--out", required=True, help="output .npy: float32 [n_tokens, n_vocab]")
+    lg.add_argument("--out", required=True, help="output file (.npy format, written under exactly this name): "
+                                                 "float32 [n_tokens, n_vocab]")
     lg.add_argument("--dump", help="also write the per-layer, per-stage values (C1 oracle) to this .npz")
     lg.add_argument("--exact", action="store_true", help="f32 activations in quantized matvecs")
     lg.set_defaults(fn=cmd_logits)
 
     i = sub.add_parser("inspect", help="metadata, tensor types and bytes, bytes per token")
     i.add_argument("model")
+    i.add_argument("--check-weights", action="store_true",
+                   help="also read every tensor and fail naming the first that holds NaN or inf")
     i.set_defaults(fn=cmd_inspect)
 
     c = sub.add_parser("convert", help="transformers Qwen4-Exp checkpoint folder -> GGUF")
     c.add_argument("hf_dir")
     c.add_argument("out")
-    c.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"])
+    c.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"], help="tensor type written")
     c.set_defaults(fn=cmd_convert)
 
     mm = sub.add_parser("make-model", help="random weights straight to GGUF, deterministic by seed")
     mm.add_argument("out")
     mm.add_argument("--preset", default="tiny", help="tiny, small, medium or flash (the real geometry)")
-    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--seed", type=int, default=0, help="the weights' seed")
     mm.add_argument("--mix", default=None, help="f32, bf16, q8_0 or realistic (default: f32 for tiny, else realistic)")
     mm.add_argument("--ple-base", type=int, default=None,
                     help="rows per PLE head (default: the preset's; flash uses 20,000,000 like the real model)")
-    mm.add_argument("--threads", type=int, default=None)
+    mm.add_argument("--threads", type=int, default=None, help="writer threads (default: one per core)")
     mm.set_defaults(fn=cmd_make_model)
 
     a = p.parse_args(argv)

@@ -166,6 +166,11 @@ class Engine:
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt: text is encoded (BOS first when the vocabulary asks for it), ids are checked."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:          # lone surrogates: bytes that were not UTF-8 (argv, JSON)
+                raise ValueError(f"the prompt is not valid text: character {e.start} ({prompt[e.start]!r}) is not "
+                                 f"UTF-8; give UTF-8 text or token ids") from None
             ids = self.tokenizer.encode(prompt)
             if self.tokenizer.add_bos:
                 ids = [self.tokenizer.bos_id, *ids]

@@ -32,6 +32,7 @@ from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segmen
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PleReader
 from strata.host.prefix import Prefix, PrefixCache
+from strata.diagnose import first_nonfinite
 from strata.host.trace import KINDS, StepTrace, Tracer, clock
 from strata.model.loader import Model
 from strata.reference.common import F32
@@ -190,6 +191,7 @@ class Scheduler:
     def __init__(self, model: Model, backend: Backend, host: HostConfig = HostConfig(), tracer: Tracer | None = None,
                  exact: bool = False):
         self.cfg, self.backend, self.host = model.cfg, backend, host
+        self.model = model
         self.poll = host.poll
         self.tracer = tracer or Tracer()
         self.layout = ExpertLayout.from_model(model)
@@ -223,6 +225,7 @@ class Scheduler:
         self._idle: asyncio.Event | None = None
         self._closed: EngineClosed | None = None
         self._shut = False
+        self._diagnoses: set[asyncio.Task] = set()     # errors on their way to released requests
 
     # ---- the API -------------------------------------------------------------------------------------------------
     @property
@@ -413,6 +416,27 @@ class Scheduler:
         snap, nbytes = self.backend.snapshot(req.seq)
         self.prefixes.put(Prefix(key, snap, None if req.window is None else NgramWindow(req.window.prev), nbytes))
 
+    def _diagnose(self, req: Request, e: FloatingPointError) -> None:
+        """Release req now; its error follows once the reference, fed what req was fed, has named the first layer
+        and stage holding a non-finite value (one reference forward on a thread: the steps go on meanwhile)."""
+        tokens, what = list(req.fed), f"request {req.id} failed at position {req.pos}: {type(e).__name__}: {e}"
+        queue = req.queue
+        self._release(req)
+
+        async def tell() -> None:
+            try:
+                where = await asyncio.to_thread(first_nonfinite, self.model, tokens)
+                why = (f"; the reference's first non-finite value: {where}" if where is not None else
+                       f"; the reference stays finite on these tokens: the {self.backend.name} backend made them")
+            except Exception as d:               # the diagnosis itself failed (the file went away...)
+                why = f"; the reference could not say where ({type(d).__name__}: {d})"
+            err = EngineError(what + why)
+            err.__cause__ = e
+            queue.put_nowait(err)
+        task = asyncio.get_running_loop().create_task(tell())
+        self._diagnoses.add(task)
+        task.add_done_callback(self._diagnoses.discard)
+
     def _fail(self, reqs: list[Request], e: BaseException) -> None:
         """Each request gets its own error (one exception instance per stream) and is released."""
         for r in reqs:
@@ -444,6 +468,7 @@ class Scheduler:
     async def _step(self, plan: list[tuple[Request, list[int], str]], t0: float) -> float:
         """Run one step and hand each request what it produced; returns when the step ended."""
         self._steps += 1
+        self.model.file.check_unchanged()        # a file changed under the engine fails this step's requests only
         st = StepTrace(self._steps, [[r.id, "prompt" if r.prefilling else "decode", len(t), r.pos]
                                      for r, t, _ in plan], t0)
         for req, _, _ in plan:
@@ -470,6 +495,9 @@ class Scheduler:
                 continue
             try:
                 done = self._after_rows(req, len(toks), rows, t_s)
+            except FloatingPointError as e:      # non-finite logits: say where they came from, then fail it
+                self._diagnose(req, e)
+                continue
             except Exception as e:               # its own sampler: this request only
                 self._fail([req], e)
                 continue
@@ -679,7 +707,10 @@ class Scheduler:
         fut = in_flight() if in_flight is not None else None
         if fut is not None:
             # asyncio.wait never cancels what it waits on: a cancelled request leaves the stage to finish
-            await asyncio.wait([asyncio.wrap_future(fut)], timeout=self.poll.timeout_s)
+            w = asyncio.wrap_future(fut)
+            await asyncio.wait([w], timeout=self.poll.timeout_s)
+            if w.done() and not w.cancelled():
+                w.exception()                    # retrieved: poll() below raises the stage's failure itself
             r = poll()
             if r is not None:
                 return r
