@@ -111,7 +111,8 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
     async def go():
         max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024
         eng = await Engine.open(model, backend=backend, host=HostConfig(
-            vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx))
+            vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
+            prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
         cfg = eng.cfg
         if preload:
             await eng.preload_experts()
