@@ -141,8 +141,7 @@ class Request:
     queue: asyncio.Queue
     window: NgramWindow | None       # the n-gram window after the tokens fed so far
     seq: object | None = None
-    pos: int = 0                     # tokens fed so far
-    fed: list[int] = field(default_factory=list)      # ... and which (the key of a snapshot of its state)
+    fed: list[int] = field(default_factory=list)      # the tokens fed so far (the key of a snapshot of its state)
     reused: int = 0                  # prompt tokens a snapshot gave it (not computed)
     next_token: int = -1             # decoding: the token the next step feeds
     generated: int = 0
@@ -154,6 +153,11 @@ class Request:
     t_last: float = 0.0
     steps: int = 0
     stage_s: dict = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def pos(self) -> int:
+        """Tokens fed so far."""
+        return len(self.fed)
 
     @property
     def prefilling(self) -> bool:
@@ -403,15 +407,17 @@ class Scheduler:
             req.seq = self.backend.new_seq()
         else:
             req.seq = self.backend.restore(hit.snap)
-            req.pos, req.fed, req.reused = len(hit.tokens), list(hit.tokens), len(hit.tokens)
+            req.fed, req.reused = list(hit.tokens), len(hit.tokens)
             req.window = None if hit.window is None else NgramWindow(hit.window.prev)
             self.tracer.prefix(req.id, len(hit.tokens), len(req.prompt))
         self._live.add(req)
 
     def _keep_prefix(self, req: Request) -> None:
         """Snapshot req's sequence (between steps) under the tokens it was fed."""
+        if self.prefixes is None or req.seq is None:
+            return
         key = tuple(req.fed)
-        if self.prefixes is None or req.seq is None or key in self.prefixes:
+        if key in self.prefixes:
             return
         snap, nbytes = self.backend.snapshot(req.seq)
         self.prefixes.put(Prefix(key, snap, None if req.window is None else NgramWindow(req.window.prev), nbytes))
@@ -479,12 +485,11 @@ class Scheduler:
         logits = await (self._forward_whole(step, reads, st) if self.whole else self._forward(step, reads, st))
         t_s = clock()
         at = 0                                   # next row of logits
-        for (req, toks, mode), a in zip(plan, step.starts[:-1]):
+        for req, toks, mode in plan:
             n_logits = {"last": 1, "all": len(toks), "none": 0}[mode]
             rows, at = logits[at:at + n_logits], at + n_logits
             if req.window is not None:
                 req.window.advance_all(self.cfg, toks)
-            req.pos += len(toks)
             req.fed += toks
             if req.pos == len(req.prompt):
                 req.t_prefill = req.t_prefill or t_s
