@@ -32,9 +32,8 @@ GPU configurations (strata: HostConfig.experts):
               a warm-up request that fills the cache first; llama.cpp: -ngl 99 with --n-cpu-moe N (the experts of
               the first N layers in host memory), N from a sweep (--ncmoe), the fastest whose device memory stayed
               within 24 GiB
-On the CPU Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens); the CUDA backend still takes one
-token a step, so there its prefill costs what its decode costs. --skip-strata names the measurements not run for it
-(on the GPU each one's time is printed instead, estimated from its measured decode).
+Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens) on both backends: on the GPU a step of more
+than one row runs the batched path (strata.cuda.batch). --skip-strata names the measurements not run for it.
 """
 
 from __future__ import annotations
@@ -447,8 +446,9 @@ def cpu_run(a, model: str, jobs: list) -> None:
 
 def gpu_run(a, model: str, ptb: dict, host_bw: float, jobs: list) -> None:
     """The vram and budget24 configurations: strata (children) next to llama-bench, one table."""
-    if not a.llama_bench:
-        sys.exit("the GPU configurations need --llama-bench PATH (llama.cpp's llama-bench built for CUDA)")
+    if not a.llama_bench and not a.skip_llama:
+        sys.exit("the GPU configurations need --llama-bench PATH (llama.cpp's llama-bench built for CUDA), or "
+                 "--skip-llama")
     fl = run_child({"engine": "floors"}, 300)
     if "error" in fl:
         sys.exit(f"measuring the GPU's bandwidths failed: {fl['error']}")

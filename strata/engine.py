@@ -78,7 +78,8 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         try:
             return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts,
                                max_ctx=host.max_ctx, doorbell_timeout_s=host.poll.timeout_s,
-                               budget_counts_device=True, log=lambda s: print(s, file=sys.stderr))
+                               budget_counts_device=True, step_tokens=min(host.step_tokens, host.max_ctx),
+                               log=lambda s: print(s, file=sys.stderr))
         except CudaError as e:
             why = available()       # None: CUDA works and the failure is the backend's own
             if why is None:

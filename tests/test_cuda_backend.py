@@ -255,3 +255,151 @@ def test_replay_equals_eager_bitwise(case):
     assert np.array_equal(replayed, direct), f"replay differs from eager at {np.argwhere(replayed != direct)[:3]}"
     assert np.array_equal(whole, replayed), "the whole-token graph differs from the per-layer graphs"
     assert np.median(lat) < 200.0
+
+
+# ---- batched steps (step_tokens > 1): a prompt chunk of T rows per step -------------------------------------
+
+def chunk_sizes(n: int, seed: int, big: int = 0) -> list[int]:
+    """A seeded schedule of chunk sizes 1..9 (and some of `big` rows) covering n tokens."""
+    rng = np.random.default_rng(seed)
+    out, left = [], n
+    while left:
+        c = int(rng.integers(1, 10)) if not big or rng.random() < 0.6 else big
+        out.append(min(c, left))
+        left -= out[-1]
+    return out
+
+
+def run_steps(be, model, tokens, sizes, cache=None, whole=False) -> np.ndarray:
+    """The scheduler's loop over steps of the given sizes, every row's logits ("all"); misses computed on the host
+    (the numpy expert) for the rows that route to them, as the CPU pool does. whole: each step as the backend's
+    whole-step graph (experts='vram')."""
+    cfg, W = model.cfg, model.weights
+    k, E = cfg.n_expert_used, cfg.n_embd
+    seq = be.new_seq()
+    window = NgramWindow.start(cfg) if cfg.ple_layers else None
+    out, pos = [], 0
+    try:
+        for n in sizes:
+            toks = tuple(int(t) for t in tokens[pos:pos + n])
+            step = Step((Segment(seq, toks, pos, logits="all"),))
+            e = ple_gather(W.per_layer_token_embd, ple_rows(cfg, toks, window)) if window is not None else None
+            if window is not None:
+                window.advance_all(cfg, toks)
+            if whole:
+                be.launch_whole(step, e)
+            else:
+                be.begin(step)
+                if e is not None:
+                    be.stage_ple(e)
+            for il in range(cfg.n_layer if not whole else 0):
+                be.launch_pre(il)
+                r = _wait(lambda: be.poll_route(il), f"route of layer {il}")
+                assert r.ids.shape == (n, k)
+                plan = ExpertPlan.of(il, r.ids, E)
+                if cache is not None:
+                    cache(il, plan.experts)
+                plan.resident = be.resident(il, plan.experts)
+                flat = plan.parts.reshape(-1, E)
+                for u in np.flatnonzero(~plan.resident):
+                    p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
+                    flat[p] = expert_ffn(*W.layers[il].expert(int(plan.experts[u])), r.x[p // k])
+                be.launch_post(plan)
+            if not whole:
+                be.launch_head()
+            got = _wait(be.poll_logits, "logits")
+            assert got.shape == (n, cfg.n_vocab)
+            out.append(got)
+            pos += n
+    finally:
+        be.free_seq(seq)
+    return np.concatenate(out)
+
+
+def test_batched_equals_one_row_and_transformers(case):
+    """Chunks of 1..9 rows and of 40 (crossing QSA blocks and the budget, EOS inside): every row within 1e-5 of
+    the one-row CUDA path and within 1e-4 of transformers; graphs replayed == eager launches bit for bit."""
+    spec, model, tokens, ref = case
+    one = CudaBackend(model, experts="vram", max_ctx=128, log=print)
+    try:
+        single = run_protocol(one, model, tokens)
+    finally:
+        one.close()
+    sizes = chunk_sizes(len(tokens), spec.seed, big=40)
+    be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, log=print)
+    try:
+        batched = run_steps(be, model, tokens, sizes)
+        whole = run_steps(be, model, tokens, sizes, whole=True)
+    finally:
+        be.close()
+    assert np.array_equal(whole, batched), "the whole-step graph differs from the per-layer batched graphs"
+    err = rel_err(batched, single)
+    print(f"{spec.name}: batched vs one-row max rel err {err.max():.2e} (chunks {sizes[:12]}...)")
+    worst = np.argsort(err)[-5:][::-1]
+    print(f"  worst rows {worst.tolist()}: batched-one {err[worst]}, one-row vs transformers "
+          f"{rel_err(single, ref)[worst]}, batched vs transformers {rel_err(batched, ref)[worst]}; one-row vs "
+          f"transformers max {rel_err(single, ref).max():.2e}")
+    # 1e-5 at every row, except where the model's function is ill-conditioned: there two f32 paths differ more
+    # (the one-row path from transformers as much), so a row may differ up to 3x the one-row path's own distance
+    bound = np.maximum(1e-5, 3 * rel_err(single, ref))
+    print(f"  rows over 1e-5: {int((err > 1e-5).sum())} of {len(err)}")
+    assert (err <= bound).all(), f"row {np.argmax(err / bound)}: {err[np.argmax(err / bound)]:.2e}"
+    t_err = rel_err(batched, ref)
+    print(f"{spec.name}: batched vs transformers max rel err {t_err.max():.2e}")
+    assert t_err.max() <= 1e-4, f"row {t_err.argmax()}: {t_err.max():.2e}"
+    if spec.name == "grouped":
+        eager = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, graphs=False, log=print)
+        try:
+            direct = run_steps(eager, model, tokens, sizes)
+        finally:
+            eager.close()
+        assert np.array_equal(direct, batched), "batched graphs differ from their eager launches"
+
+
+def test_batched_host_cache(case):
+    """Batched steps with experts on the host and a few cache slots filled between route and post: the resident
+    experts' rows on the GPU, the others' parts from the host; every row against transformers."""
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the batched cache path")
+    probe = CudaBackend(model, experts="host", max_ctx=128, step_tokens=32, log=print)
+    budget = probe.A.total + 6 * probe.slot_bytes + (1 << 20)
+    probe.close()
+    be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=32, log=print)
+    W, n_slots, nxt, hits = model.weights, be.expert_slots(), [0], [0, 0]
+
+    def cache(il, ids):
+        mask = be.resident(il, ids)
+        hits[0] += int(mask.sum())
+        hits[1] += len(ids)
+        for e in [int(e) for e, m in zip(ids, mask) if not m][:2]:
+            be.load_expert(il, e, nxt[0], *(m.raw for m in W.layers[il].expert(e)))
+            nxt[0] = (nxt[0] + 1) % n_slots
+    try:
+        out = run_steps(be, model, tokens, chunk_sizes(len(tokens), 3, big=32), cache=cache)
+    finally:
+        be.close()
+    _check(f"{spec.name} batched cache({n_slots} slots)", out, ref)
+    assert rel_err(out, ref).max() <= 1e-4
+    assert 0 < hits[0] < hits[1]
+
+
+def test_scheduler_batched_prefill(case):
+    """The scheduler over a batched CUDA backend: a prompt in chunks of step_tokens (the vram mode's per-layer
+    path for chunks, the whole-token graph for one-row steps), logits of every position against transformers."""
+    import asyncio
+
+    from strata.host.scheduler import HostConfig, Scheduler
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the scheduler")
+    be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=24, log=print)
+
+    async def go():
+        sched = Scheduler(model, be, HostConfig(vram_budget_bytes=1 << 40, step_tokens=24))
+        try:
+            return await sched.score(tokens)
+        finally:
+            await sched.aclose()
+    out = np.asarray(asyncio.run(go()))
+    _check(f"{spec.name} scheduler batched", out, ref)

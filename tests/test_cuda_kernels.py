@@ -42,6 +42,15 @@ from strata.reference.qsa import QsaState, block_scores, qsa_chunk, select_block
 
 TOL = 1e-5
 F32 = np.float32
+STEP_N = 16          # step words the tests reserve: the 8 STEP_* words, then the rows' tokens
+
+
+def step_words(pos: int = 0, ring: int = 0, tokens=(0,)) -> np.ndarray:
+    """The step block (common.cuh): token, position, ring, row count T, logit rows, ..., then the rows' tokens."""
+    w = np.zeros(STEP_N, np.int32)
+    w[0], w[1], w[2], w[3], w[4] = tokens[0], pos, ring, len(tokens), 1
+    w[8:8 + len(tokens)] = tokens
+    return w
 
 
 class Rows:
@@ -231,7 +240,7 @@ def test_embed_rms(rig, qt):
     raw = random_matrix(qt, vocab, E, rng)
     table = rig.mat("table", raw, qt, vocab, E)
     token = 17
-    step = rig.buf("step", (8,), np.int32, np.array([token, 0, 0, 0, 0, 0, 0, 0]))
+    step = rig.buf("step", (STEP_N,), np.int32, step_words(tokens=(token,)))
     norm = (1 + 0.1 * rng.standard_normal((hc, E))).astype(F32)
     nb = rig.buf("norm", (hc, E), value=norm)
     R, xn = rig.buf("R", (hc, E)), rig.buf("xn", (hc, E))
@@ -324,7 +333,7 @@ def test_gdn_core(rig, Hk, Hv, D):
     cw, dt, A, nw = (rig.buf("conv", (cd, K), value=w.ssm_conv1d), rig.buf("dt", (Hv,), value=w.ssm_dt),
                      rig.buf("A", (Hv,), value=w.ssm_a), rig.buf("norm", (D,), value=w.ssm_norm))
     ring, S, y, step = (rig.buf("ring", (K, cd)), rig.buf("S", (Hv, D, D)), rig.buf("y", (vd,)),
-                        rig.buf("step", (8,), np.int32))
+                        rig.buf("step", (STEP_N,), np.int32))
     rig.commit()
     launch = kgdn.gdn_core_launch(rig.k.fn("gdn", "gdn_core"), "gdn", cfg, qkv, z, al, be, cw, dt, A, nw, ring, S, y,
                                   step)
@@ -332,7 +341,7 @@ def test_gdn_core(rig, Hk, Hv, D):
         x = rng.standard_normal(E).astype(F32)
         for buf, v in ((qkv, w.attn_qkv @ x), (z, w.attn_gate @ x), (al, w.ssm_alpha @ x), (be, w.ssm_beta @ x)):
             buf.upload(v.astype(F32))
-        step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        step.upload(step_words(pos=t))
         rig.poison(y)
         rig.run(launch)
         ref = gdn_chunk(cfg, as_rows(w, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"), [(st, 0, 1)],
@@ -341,6 +350,52 @@ def test_gdn_core(rig, Hk, Hv, D):
         assert rel(S.download(), st.S) <= TOL, f"state t={t}"
         got_conv = ring.download()[[(t - (K - 2) + j) % K for j in range(K - 1)]]   # positions t-2 .. t, oldest first
         assert rel(got_conv, st.conv) <= TOL
+
+
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (2, 4, 128)])
+def test_gdn_chunk(rig, Hk, Hv, D):
+    """gdn_conv + gdn_chunk over chunks of 5, 1 and 6 rows (the ring wraps inside and across chunks) against the
+    reference's chunk path, state and conv ring included."""
+    rng = np.random.default_rng(D + Hv + 1)
+    cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
+    E, K, cd, vd, Tm = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim, 6
+    w = SimpleNamespace(
+        attn_qkv=(rng.standard_normal((cd, E)) / np.sqrt(E)).astype(F32),
+        attn_gate=(rng.standard_normal((vd, E)) / np.sqrt(E)).astype(F32),
+        ssm_beta=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
+        ssm_alpha=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
+        ssm_dt=(0.5 * rng.standard_normal(Hv)).astype(F32), ssm_a=-rng.uniform(0.01, 4, Hv).astype(F32),
+        ssm_conv1d=(0.5 * rng.standard_normal((cd, K))).astype(F32),
+        ssm_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32), ssm_out=np.eye(E, vd, dtype=F32))
+    st = GdnState.zeros(cfg)
+    qkv, z, al, be = (rig.buf("qkv", (Tm, cd)), rig.buf("z", (Tm, vd)), rig.buf("alpha", (Tm, Hv)),
+                      rig.buf("beta", (Tm, Hv)))
+    cw, dt, A, nw = (rig.buf("conv", (cd, K), value=w.ssm_conv1d), rig.buf("dt", (Hv,), value=w.ssm_dt),
+                     rig.buf("A", (Hv,), value=w.ssm_a), rig.buf("norm", (D,), value=w.ssm_norm))
+    ring, S, y, c = rig.buf("ring", (K, cd)), rig.buf("S", (Hv, D, D)), rig.buf("y", (Tm, vd)), rig.buf("c", (Tm, cd))
+    step = rig.buf("step", (STEP_N,), np.int32)
+    rig.commit()
+    conv = kgdn.gdn_conv_launch(rig.k.fn("gdn", "gdn_conv"), "conv", cfg, qkv, cw, ring, c, step, Tm)
+    core = kgdn.gdn_chunk_launch(rig.k.fn("gdn", "gdn_chunk"), "chunk", cfg, c, qkv, z, al, be, dt, A, nw, ring, S,
+                                 y, step, Tm)
+    pos = 0
+    for T in (5, 1, 6):
+        x = rng.standard_normal((T, E)).astype(F32)
+        for buf, m in ((qkv, w.attn_qkv), (z, w.attn_gate), (al, w.ssm_alpha), (be, w.ssm_beta)):
+            v = np.zeros((Tm, m.shape[0]), F32)
+            v[:T] = x @ m.T
+            buf.upload(v)
+        step.upload(step_words(pos=pos, tokens=(0,) * T))
+        rig.poison(y)
+        rig.run(conv, core)
+        ref = gdn_chunk(cfg, as_rows(w, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"), [(st, 0, T)], x)
+        assert rel(y.download()[:T], ref) <= TOL, f"chunk at {pos}"
+        assert np.isnan(y.download()[T:]).all()
+        assert rel(S.download(), st.S) <= TOL, f"state after {pos + T}"
+        t = pos + T - 1
+        got_conv = ring.download()[[(t - (K - 2) + j) % K for j in range(K - 1)]]
+        assert rel(got_conv, st.conv) <= TOL
+        pos += T
 
 
 # ---- QSA ---------------------------------------------------------------------------------------------------
@@ -369,7 +424,7 @@ def _qsa_rig(rig, cfg, rng, max_ctx, nsplit):
     b.scores, b.sel, b.meta = (rig.buf("scores", (max_ctx // ratio,)), rig.buf("sel", (max_ctx // ratio,), np.int32),
                                rig.buf("meta", (2,), np.int32))
     b.part, b.att, b.out = rig.buf("part", (H, nsplit, D + 2)), rig.buf("att", (H * D,)), rig.buf("out", (E,))
-    b.step = rig.buf("step", (8,), np.int32)
+    b.step = rig.buf("step", (STEP_N,), np.int32)
     mats = {k: rig.mat(k, getattr(w, k).view(np.uint8), QType.F32, *getattr(w, k).shape)
             for k in ("attn_q", "attn_k", "attn_v", "indexer_q_proj", "indexer_k_proj", "attn_output")}
     t_proj, t_out = kgemv.job_table("proj", 5, rig.A.reserve), kgemv.job_table("out", 1, rig.A.reserve)
@@ -385,7 +440,7 @@ def _qsa_rig(rig, cfg, rng, max_ctx, nsplit):
         kqsa.select_launch(k.fn("qsa", "qsa_select"), "select", cfg, il, b.scores, b.sel, b.meta, b.step, max_ctx),
         kqsa.attn_launch(k.fn("qsa", "qsa_attn"), "attn", cfg, il, b.q, b.Kc, b.Vc, b.sel, b.meta, b.part, b.step,
                          max_ctx, nsplit),
-        kqsa.combine_launch(k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.att, nsplit),
+        kqsa.combine_launch(k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.att, nsplit, b.step),
         kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "out", t_out, [Job(mats["attn_output"], b.att, b.out)])]
     return w, b, launches, il
 
@@ -409,7 +464,7 @@ def test_qsa_layer(rig, geom):
     for t in range(n_tok):
         x = rng.standard_normal(cfg.n_embd).astype(F32)
         b.x.upload(x)
-        b.step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        b.step.upload(step_words(pos=t))
         rig.poison(b.out, b.att, b.q)
         rig.run(*launches)
         ref = qsa_chunk(cfg, il, wr, [(st, 0, 1)], x[None], np.array([t]), inv)[0]
@@ -430,7 +485,7 @@ def test_qsa_select_ties(rig):
     il, ratio, max_ctx = 3, 4, 4096
     scores = rig.buf("scores", (max_ctx // ratio,))
     sel, meta, step = (rig.buf("sel", (max_ctx // ratio,), np.int32), rig.buf("meta", (2,), np.int32),
-                       rig.buf("step", (8,), np.int32))
+                       rig.buf("step", (STEP_N,), np.int32))
     rig.commit()
     launch = kqsa.select_launch(rig.k.fn("qsa", "qsa_select"), "select", cfg, il, scores, sel, meta, step, max_ctx)
     rng = np.random.default_rng(2)
@@ -438,7 +493,7 @@ def test_qsa_select_ties(rig):
         nb = (t + 1) // ratio
         s = rng.integers(0, 6, nb).astype(F32) * 0.25          # few distinct values: ties everywhere
         scores.upload(np.pad(s, (0, max_ctx // ratio - nb), constant_values=np.nan))
-        step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        step.upload(step_words(pos=t))
         rig.poison(sel, meta)
         rig.run(launch)
         n_sel, n_cells = meta.download()
@@ -455,11 +510,13 @@ def test_route_and_doorbell(rig):
     cfg = cfg_tiny(n_expert=512, n_expert_used=10, n_embd=2560)
     E, n, k = cfg.n_embd, cfg.n_expert, cfg.n_expert_used
     logits, x = rig.buf("logits", (n,)), rig.buf("x", (E,))
-    ids, wts, step = rig.buf("ids", (k,), np.int32), rig.buf("wts", (k,)), rig.buf("step", (8,), np.int32)
+    ids, wts, step = rig.buf("ids", (k,), np.int32), rig.buf("wts", (k,)), rig.buf("step", (STEP_N,), np.int32)
+    ticket = rig.buf("ticket", (1,), np.uint32)
     rig.commit()
     db = Doorbell(E, k)
     try:
-        launch = kmoe.route_launch(rig.k.fn("moe", "moe_route"), "route", cfg, 5, logits, x, ids, wts, step, db.ptrs)
+        launch = kmoe.route_launch(rig.k.fn("moe", "moe_route"), "route", cfg, 5, logits, x, ids, wts, step, db.ptrs,
+                                   ticket)
         for ring in (100, 200):
             w = SimpleNamespace(ffn_gate_inp=Rows(np.eye(n, dtype=F32)))
             lv = rng.standard_normal(n).astype(F32) * 3
@@ -467,14 +524,14 @@ def test_route_and_doorbell(rig):
             xv = rng.standard_normal(E).astype(F32)
             logits.upload(lv)
             x.upload(xv)
-            step.upload(np.array([0, 0, ring, 0, 0, 0, 0, 0], np.int32))
+            step.upload(step_words(ring=ring))
             rig.poison(ids, wts)
             rig.run(launch)
             ref_ids, ref_w = (a[0] for a in route(cfg, w, lv[None]))
             assert np.array_equal(ids.download(), ref_ids)
             assert rel(wts.download(), ref_w) <= TOL
             assert db.value() == ring + 5
-            dx, di, dw = db.payload()
+            dx, di, dw = (a[0] for a in db.payload())
             assert np.array_equal(dx, xv) and np.array_equal(di, ref_ids) and rel(dw, ref_w) <= TOL
     finally:
         db.free()
@@ -556,7 +613,7 @@ def test_ple_mix(rig):
     R, key, value = rig.buf("R", (hc, E)), rig.buf("key", (C,)), rig.buf("value", (E,))
     norms = [rig.buf(n, (hc, E), value=getattr(w, n)) for n in ("ple_norm_key", "ple_norm_query", "ple_norm_conv")]
     cw, hist, step = (rig.buf("conv", (C, cfg.ple_conv), value=w.ple_conv1d), rig.buf("hist", (cfg.ple_hist, C)),
-                      rig.buf("step", (8,), np.int32))
+                      rig.buf("step", (STEP_N,), np.int32))
     rig.commit()
     launch = kple.ple_mix_launch(rig.k.fn("ple", "ple_mix"), "ple", cfg, R, key, value, *norms, cw, hist, step)
     for t in range(12):
@@ -565,7 +622,80 @@ def test_ple_mix(rig):
         R.upload(Rv)
         key.upload(w.ple_key @ e)
         value.upload(w.ple_value @ e)
-        step.upload(np.array([0, t, 0, 0, 0, 0, 0, 0], np.int32))
+        step.upload(step_words(pos=t))
         rig.run(launch)
         ref = ple_block(cfg, as_rows(w, "ple_key", "ple_value"), [(st, 0, 1)], Rv[None], e[None])[0]
         assert rel(R.download(), ref) <= TOL, f"t={t}"
+
+
+# ---- GEMM (the batched step): every format against float64 and against the GEMV row by row ---------------
+
+GEMM_CASES = [(qt, t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70)]
+
+
+@pytest.mark.parametrize("qt,max_rows", GEMM_CASES, ids=[f"{QType(q).name}-{t}" for q, t in GEMM_CASES])
+def test_gemm_formats(rig, qt, max_rows):
+    """Y = X W^T over a bucket of max_rows rows with fewer live (n_rows is device data): rows past it untouched,
+    every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xTF32 is what makes that hold."""
+    from strata.kernels import gemm as kgemm
+    rng = np.random.default_rng(int(qt) * 11 + max_rows)
+    qk = kgemv.BLOCKS[qt][0]
+    n_in = 8 * 40 + 5 if qt in kgemv.FLOAT_TYPES else qk * max(3, 640 // qk)   # not a multiple of the k-chunk
+    n_out, live = 101, max_rows - 1
+    raw = random_matrix(qt, n_out, n_in, rng)
+    ldx = (n_in + 3) // 4 * 4
+    X = np.zeros((max_rows, ldx), F32)
+    X[:, :n_in] = rng.standard_normal((max_rows, n_in))
+    m = rig.mat("w", raw, qt, n_out, n_in)
+    xb = rig.buf("x", X.shape, value=X)
+    y = rig.buf("y", (max_rows, n_out))
+    nr = rig.buf("n_rows", (1,), np.int32, [live])
+    picks = (0, live - 1)
+    gv = [(rig.buf(f"gv_x{t}", (n_in,), value=X[t, :n_in]), rig.buf(f"gv_y{t}", (n_out,))) for t in picks]
+    table = kgemm.job_table("jobs", 1, rig.A.reserve)
+    gv_table = kgemv.job_table("gv", len(picks), rig.A.reserve)
+    rig.commit()
+    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table,
+                               [kgemm.GemmJob(m, xb, y, ldx=ldx)], nr, max_rows)
+    gemv = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", gv_table, [Job(m, a, b) for a, b in gv])
+    rig.poison(y)
+    rig.run(launch, gemv)
+    out = y.download()
+    W = dequantize(raw, qt).reshape(n_out, n_in).astype(np.float64)
+    ref = X[:, :n_in].astype(np.float64) @ W.T
+    assert np.isnan(out[live:]).all(), "a row past n_rows was written"
+    for t in range(live):
+        assert rel(out[t], ref[t]) <= TOL, f"row {t}: {rel(out[t], ref[t]):.2e}"
+    for t, (_, b) in zip(picks, gv):              # the T=1 path (GEMV) of the same row
+        assert rel(out[t], b.download()) <= TOL, f"row {t} vs GEMV: {rel(out[t], b.download()):.2e}"
+
+
+def test_gemm_glu_gather_and_jobs(rig):
+    """One launch: a GLU pair (Q4_K, Q6_K) over gathered rows, and a BF16 job; against float64."""
+    from strata.kernels import gemm as kgemm
+    rng = np.random.default_rng(9)
+    n_in, T = 512, 40
+    X = rng.standard_normal((T, n_in)).astype(F32)
+    perm = rng.permutation(T).astype(np.int32)
+    xb = rig.buf("x", X.shape, value=X)
+    ib = rig.buf("idx", (T,), np.int32, perm)
+    nr = rig.buf("n_rows", (1,), np.int32, [T])
+    rg, ru, rbf = (random_matrix(QType.Q4_K, 70, n_in, rng), random_matrix(QType.Q6_K, 70, n_in, rng),
+                   random_matrix(QType.BF16, 33, n_in, rng, 0.05))
+    g, u, bf = (rig.mat("g", rg, QType.Q4_K, 70, n_in), rig.mat("u", ru, QType.Q6_K, 70, n_in),
+                rig.mat("bf", rbf, QType.BF16, 33, n_in))
+    y1, y2 = rig.buf("y1", (T, 70)), rig.buf("y2", (T, 40))
+    table = kgemm.job_table("jobs", 2, rig.A.reserve)
+    rig.commit()
+    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table,
+                               [kgemm.GemmJob(g, xb, y1, w2=u, xrow=ib), kgemm.GemmJob(bf, xb, y2, ldy=40)], nr, T)
+    rig.poison(y1, y2)
+    rig.run(launch)
+    deq = lambda r, q, n: dequantize(r, q).reshape(n, n_in).astype(np.float64)
+    a, b = X[perm].astype(np.float64) @ deq(rg, QType.Q4_K, 70).T, X[perm].astype(np.float64) @ deq(ru, QType.Q6_K, 70).T
+    with np.errstate(over="ignore"):
+        ref1 = a / (1 + np.exp(-a)) * b
+    ref2 = X.astype(np.float64) @ deq(rbf, QType.BF16, 33).T
+    assert rel(y1.download(), ref1) <= TOL
+    out2 = y2.download()
+    assert rel(out2[:, :33], ref2) <= TOL and np.isnan(out2[:, 33:]).all()

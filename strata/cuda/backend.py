@@ -5,7 +5,8 @@ Per layer two captured graphs, with the stage names of strata.reference.model:
     post[l]  experts (the VRAM-resident routed ones) -> combine (+ the host's parts, gr_write, the next read's norm)
 and a begin graph (the step words from pinned staging, the embedding row, layer 0's read norm; the PLE vector is
 copied from its staging inside pre[PLE layer], so the host may stage it late: stage_ple), a head graph (final mixer, LM head, logits to pinned memory). With every expert in VRAM a whole-token graph chains
-them all with no host round trip (launch_whole).
+them all with no host round trip (launch_whole). With max_step_tokens > 1, a step of several rows of the
+sequence (a prompt chunk) runs the batched path of strata.cuda.batch through the same protocol.
 
 Everything the graphs touch lives in one arena at fixed addresses; what changes per token (token id, position,
 the doorbell's ring value) is the step block copied from pinned staging inside the begin graph, and what
@@ -14,8 +15,8 @@ copied from pinned staging before post[l] launches. Kernel arguments never chang
 
 The host never blocks inside the layer loop: poll_route reads the doorbell's mapped sequence word and queries
 an event; poll_logits queries one. A post is never waited for: the next launch follows it on the stream. One
-sequence at a time (new_seq refuses a second live one), and a step carries one token (max_step_tokens): the
-kernels here are the T=1 path of the batched seam.
+sequence at a time (new_seq refuses a second live one); a step of one row runs the one-token kernels here (GEMVs),
+a step of more rows the batched path (GEMMs, strata.cuda.batch).
 
 Numerics: the f32 path (quant.cuh): weights dequantized in registers, activations and accumulation float32,
 KV cache float32. Every kernel is deterministic (fixed reduction orders, no float atomics), so a replayed graph
@@ -33,6 +34,7 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.cuda import driver as drv
 from strata.cuda.arena import Arena, DevArray, DevMat
+from strata.cuda.batch import BatchPath
 from strata.cuda.doorbell import Doorbell
 from strata.cuda.driver import CudaError
 from strata.cuda.graphs import Graph
@@ -54,7 +56,7 @@ from strata.reference.common import rope_inv_freq
 from strata.reference.model import StageDump
 
 F32, I32, U8 = np.float32, np.int32, np.uint8
-STEP_TOKEN, STEP_POS, STEP_RING = 0, 1, 2       # common.cuh
+STEP_TOKEN, STEP_POS, STEP_RING, STEP_T, STEP_L, STEP_WORDS = 0, 1, 2, 3, 4, 8    # common.cuh
 POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, host parts (k, E) f32 here
 # device memory left free beside the arena for the driver, the graphs and what the context takes once tokens run:
 # on the H200 the device's use grew 0.66 GiB after setup during a 24 GiB budget bench (23.51 -> 24.17 GiB with
@@ -108,23 +110,27 @@ def _guarded(method):
 class CudaBackend:
     name = "cuda"
     max_seqs = 1          # one sequence at a time on the GPU: the state buffers exist once
-    max_step_tokens = 1   # one row a step: the kernels take one token
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
                  experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
-                 budget_counts_device: bool = False, log=print):
+                 budget_counts_device: bool = False, step_tokens: int = 1, log=print):
         """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
         experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
         as many as vram_budget_bytes leaves room for (no budget: none, every expert is the host's).
         budget_counts_device: vram_budget_bytes bounds the device memory in use, not only the arena: what the
         device already holds when the arena is planned (this CUDA context, the kernels' modules, and anything
         else on the GPU) and MEM_MARGIN for the graphs come off it first. The engine passes True (a "24 GiB"
-        budget means a 24 GiB card); the tests size arenas exactly and pass False."""
+        budget means a 24 GiB card); the tests size arenas exactly and pass False.
+        step_tokens: the most rows a step may carry (max_step_tokens); above 1 the batched path's buffers and
+        graphs are planned for it."""
         if experts not in ("vram", "host"):
             raise BackendError(f"CudaBackend: experts={experts!r}: 'vram' or 'host'")
         self._failed: str | None = None
         self.cfg: ModelConfig = model.cfg
         self.experts, self.graphs, self.max_ctx, self.timeout = experts, graphs, int(max_ctx), doorbell_timeout_s
+        if not 1 <= int(step_tokens) <= self.max_ctx:
+            raise BackendError(f"CudaBackend: step_tokens={step_tokens}: 1 .. max_ctx ({self.max_ctx})")
+        self.max_step_tokens = int(step_tokens)
         self.log = log
         cfg, W = self.cfg, model.weights
         self.dev = drv.Device.open()
@@ -140,6 +146,10 @@ class CudaBackend:
         self.A = Arena()
         self._plan_weights(W)
         self._plan_buffers()
+        self.batch = BatchPath(self, self.max_step_tokens) if self.max_step_tokens > 1 else None
+        self.db = Doorbell(cfg.n_embd, cfg.n_expert_used, self.max_step_tokens)
+        if self.batch is not None:
+            self.batch.plan()
         self.held_before = 0
         if budget_counts_device and vram_budget_bytes is not None:
             free, total = self.dev.mem_info()
@@ -149,7 +159,6 @@ class CudaBackend:
                 f"(+{MEM_MARGIN >> 20} MiB kept for the graphs): the arena may take "
                 f"{max(vram_budget_bytes, 0) / 2**30:.2f} GiB of the budget")
         self._plan_experts(W, vram_budget_bytes, self.A.total)
-        self.db = Doorbell(cfg.n_embd, cfg.n_expert_used)
         self._plan_launches()
         free, total = self.dev.mem_info()
         if self.A.total + MEM_MARGIN > free:
@@ -257,7 +266,9 @@ class CudaBackend:
         """Activations (reused by every layer) and the sequence state. Layouts are row-major, f32 unless noted."""
         cfg, R = self.cfg, self.A.reserve
         E, hc, k = cfg.n_embd, cfg.hc, cfg.n_expert_used
-        self.b_step = R("step", (8,), I32)                  # STEP_* words, from pinned staging per token
+        # STEP_* words, then the rows' token ids and the logit rows: from pinned staging per step
+        self.b_step = R("step", (STEP_WORDS + 2 * self.max_step_tokens,), I32)
+        self.b_ticket = R("route_ticket", (1,), np.uint32)  # moe_route's last-row ticket (left zeroed)
         self.b_R = R("R", (hc, E))                          # the residual streams
         self.b_xn = R("xn", (hc, E))                        # the current read's normalized streams
         self.b_lo = R("lo", (cfg.hc_rank,))                 # gr_read's low-rank pre-activation
@@ -392,11 +403,15 @@ class CudaBackend:
 
     def _host_buffers(self) -> None:
         cfg, k, E = self.cfg, self.cfg.n_expert_used, self.cfg.n_embd
-        self.h_step = drv.HostBuffer(32, what="step staging")
-        self.step = self.h_step.array(I32, (8,))
+        self.h_step = drv.HostBuffer(self.b_step.nbytes, what="step staging")
+        self.step = self.h_step.array(I32, self.b_step.shape)
         self.step[:] = 0
-        self.h_ple = drv.HostBuffer(4 * max(cfg.ple_dim, 1), what="PLE staging")
-        self.ple_stage = self.h_ple.array(F32, (max(cfg.ple_dim, 1),))
+        Tm = self.max_step_tokens
+        self.h_ple = drv.HostBuffer(4 * Tm * max(cfg.ple_dim, 1), what="PLE staging")
+        self.ple_rows = self.h_ple.array(F32, (Tm, max(cfg.ple_dim, 1)))
+        self.ple_stage = self.ple_rows[0]
+        if self.batch is not None:
+            self.batch.host_buffers()
         self.h_post = drv.HostBuffer(POST_PARTS_OFFSET + 4 * k * E, what="post staging")
         self.post_slots = self.h_post.array(I32, (k,))
         self.post_parts = self.h_post.array(F32, (k, E), POST_PARTS_OFFSET)
@@ -487,7 +502,7 @@ class CudaBackend:
                          _Later(kqsa.attn_launch, K.fn("qsa", "qsa_attn"), p + "qsa_attn", cfg, il, self.b_q, s["Kc"],
                                 s["Vc"], self.b_sel, self.b_meta, self.b_part, self.b_step, self.max_ctx, self.nsplit),
                          _Later(kqsa.combine_launch, K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.b_part,
-                                self.b_qg, self.b_att, self.nsplit),
+                                self.b_qg, self.b_att, self.nsplit, self.b_step),
                          gemv(p + "attn_output", [Job(d["attn_output"], self.b_att, self.b_mix_out)])]
             st.append(("mixer", mixer))
             st.append(("attn_write", [_Later(khc.write_rms_launch, K.fn("hc", "write_rms"), p + "attn_write", self.b_R,
@@ -503,7 +518,7 @@ class CudaBackend:
 
             def route(db, il=il, p=p):
                 return _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route", cfg, il, self.b_logits_r,
-                              self.b_x_ffn, self.b_ids, self.b_wts, self.b_step, db)
+                              self.b_x_ffn, self.b_ids, self.b_wts, self.b_step, db, self.b_ticket)
             shared = ("shared", [gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
             pre.append(st + [("route", [router, route(self.db.ptrs)]), shared])
             pre_tok.append(st + [("route", [router, route(None)]), shared])
@@ -542,6 +557,8 @@ class CudaBackend:
         self.pre_tok = [build(x) for x in pre_tok] if self.experts == "vram" else None
         self.post = [build(x) for x in post]
         self.head_stages = build([("head", head)])
+        if self.batch is not None:
+            self.batch.build()
 
     # ---- enqueueing and capture -------------------------------------------------------------------------
     def _enq(self, stages) -> None:
@@ -551,7 +568,7 @@ class CudaBackend:
 
     def _enq_begin(self) -> None:
         s = self.stream
-        drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 32, s, "step")
+        drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 4 * (STEP_WORDS + 1), s, "step")
         self._enq(self.begin_stages)
 
     def _enq_head(self) -> None:
@@ -573,6 +590,8 @@ class CudaBackend:
                     self._enq(self.post[il])
                 self._enq_head()
             self._g["token"] = Graph("token", self.stream, token)
+        if self.batch is not None:
+            self.batch.capture()
 
     def _run(self, key, enqueue) -> None:
         if self.graphs:
@@ -607,13 +626,21 @@ class CudaBackend:
             seq.live = False
 
     def _step_seq(self, step: Step, call: str) -> _Seq:
-        """The one sequence of a one-row step, which becomes the step in flight."""
-        if step.T != 1:
-            raise BackendError(f"{call}: a step of {step.T} rows; the CUDA backend takes one row a step "
-                               f"(max_step_tokens)")
+        """The one sequence of a step (one row, or a chunk of one sequence's rows), which becomes the step in
+        flight."""
+        if not 1 <= step.T <= self.max_step_tokens:
+            raise BackendError(f"{call}: a step of {step.T} rows; this CUDA backend takes 1 .. {self.max_step_tokens}"
+                               f" (max_step_tokens: the step_tokens it was opened with)")
+        if len(step.segments) != 1:
+            raise BackendError(f"{call}: a step of {len(step.segments)} sequences; the CUDA backend runs one")
         seg = step.segments[0]
         if seg.seq is self.seq and seg.pos != seg.seq.pos:
             raise BackendError(f"{call}: the row is at position {seg.pos}, its sequence at {seg.seq.pos}")
+        if step.T > 1 and seg.seq.dump is not None:
+            raise BackendError(f"{call}: the per-stage dump runs one row a step (a step of {step.T} rows given)")
+        if step.T > 1 and len(step.logit_rows) > self.batch.logit_rows:
+            raise BackendError(f"{call}: {len(step.logit_rows)} logit rows; a step gives at most "
+                               f"{self.batch.logit_rows} at this vocabulary")
         self.cur = step
         return seg.seq
 
@@ -621,6 +648,11 @@ class CudaBackend:
     def begin(self, step: Step) -> None:
         seq = self._step_seq(step, "begin")
         self._check_seq(seq, "begin", "idle")
+        if step.T > 1:
+            self._stage_rows(seq, step, "begin")
+            self.batch.run("begin", self.batch.bucket(step.T))
+            seq.phase, seq.layer = "begun", -1
+            return
         self._stage_token(seq, int(step.tokens[0]), None, "begin")
         self._run("begin", self._enq_begin)
         if seq.dump is not None:
@@ -628,38 +660,53 @@ class CudaBackend:
             seq.dump.put(seq.pos, -1, "embed", self.b_R.row(0).download())
         seq.phase, seq.layer = "begun", -1
 
-    def _stage_token(self, seq: _Seq, token: int, ple_e, call: str) -> None:
-        """The token's step words and PLE vector into pinned staging (the begin graph copies them)."""
-        cfg = self.cfg
-        if not 0 <= int(token) < cfg.n_vocab:
-            raise BackendError(f"{call}: token id {token} is outside the vocabulary [0, {cfg.n_vocab})")
-        if seq.pos >= self.max_ctx:
-            raise BackendError(f"{call}: position {seq.pos}: the context is full (max_ctx {self.max_ctx})")
+    def _stage_words(self, seq: _Seq, tokens: np.ndarray, call: str) -> None:
+        """The step words (tokens, positions, ring) into pinned staging (the begin graph copies them)."""
+        cfg, T = self.cfg, len(tokens)
+        bad = (tokens < 0) | (tokens >= cfg.n_vocab)
+        if bad.any():
+            raise BackendError(f"{call}: token id {int(tokens[bad][0])} is outside the vocabulary [0, {cfg.n_vocab})")
+        if seq.pos + T > self.max_ctx:
+            raise BackendError(f"{call}: positions {seq.pos} .. {seq.pos + T - 1}: the context is full "
+                               f"(max_ctx {self.max_ctx})")
         seq.ple_ready = False
-        if ple_e is not None:
-            self._stage_ple(seq, ple_e, call)
         if self._ring + cfg.n_layer >= 2**31:       # the ring value travels as an int32 step word
             self._ring = 1
-        self.step[STEP_TOKEN], self.step[STEP_POS], self.step[STEP_RING] = int(token), seq.pos, self._ring
+        self.step[STEP_TOKEN], self.step[STEP_POS], self.step[STEP_RING] = int(tokens[0]), seq.pos, self._ring
+        self.step[STEP_T] = T
+        self.step[STEP_WORDS:STEP_WORDS + T] = tokens
 
-    def _stage_ple(self, seq: _Seq, ple_e: np.ndarray, call: str) -> None:
+    def _stage_token(self, seq: _Seq, token: int, ple_e, call: str) -> None:
+        self._stage_words(seq, np.array([token], np.int64), call)
+        self.step[STEP_L] = 1
+        if ple_e is not None:
+            self._stage_ple(seq, np.asarray(ple_e).reshape(1, -1), 1, call)
+
+    def _stage_rows(self, seq: _Seq, step: Step, call: str) -> None:
+        self._stage_words(seq, np.asarray(step.tokens, np.int64), call)
+        rows = np.asarray(step.logit_rows, np.int64)
+        Tm = self.max_step_tokens
+        self.step[STEP_L] = len(rows)
+        self.step[STEP_WORDS + Tm:STEP_WORDS + Tm + len(rows)] = rows
+
+    def _stage_ple(self, seq: _Seq, ple_e: np.ndarray, T: int, call: str) -> None:
         cfg = self.cfg
         if not cfg.ple_layers:
             raise BackendError(f"{call}: this model has no PLE layer")
-        if np.shape(ple_e) != (cfg.ple_dim,):
-            raise BackendError(f"{call}: the PLE vector must be ({cfg.ple_dim},), got {np.shape(ple_e)}")
-        self.ple_stage[:] = ple_e
+        if np.shape(ple_e) != (T, cfg.ple_dim):
+            raise BackendError(f"{call}: the PLE rows must be ({T}, {cfg.ple_dim}), got {np.shape(ple_e)}")
+        self.ple_rows[:T] = ple_e
         seq.ple_ready = True
 
     @_guarded
     def stage_ple(self, e: np.ndarray) -> None:
-        """The row's PLE vector (1, ple_dim) after begin: any time before launch_pre of the PLE layer, whose graph
-        copies it."""
+        """The step's PLE rows (T, ple_dim) after begin: any time before launch_pre of the PLE layer, whose graph
+        copies them."""
         seq = self._seq_of_step("stage_ple")
         self._check_seq(seq, "stage_ple", "begun", "pre", "routed", "post")
         if self.cfg.ple_layers and seq.layer >= self.cfg.ple_layers[0]:
             raise BackendError(f"stage_ple: layer {seq.layer} is already past the PLE layer {self.cfg.ple_layers[0]}")
-        self._stage_ple(seq, np.asarray(e).reshape(-1), "stage_ple")
+        self._stage_ple(seq, np.asarray(e, F32).reshape(self.cur.T, -1), self.cur.T, "stage_ple")
 
     def _seq_of_step(self, call: str) -> _Seq:
         if self.cur is None:
@@ -700,7 +747,10 @@ class CudaBackend:
             raise BackendError(f"launch_pre({layer}): the PLE layer needs the token's PLE vector (begin or stage_ple)")
         seq.layer, seq.route = layer, None
         seq.t_pre = time.monotonic()
-        self._run_stages(seq, ("pre", layer), self.pre[layer], layer)
+        if self.cur.T > 1:
+            self.batch.run("pre", self.batch.bucket(self.cur.T), layer)
+        else:
+            self._run_stages(seq, ("pre", layer), self.pre[layer], layer)
         self.ev_pre[layer].record(self.stream)
         seq.phase = "pre"
 
@@ -721,10 +771,14 @@ class CudaBackend:
                     raise BackendError(f"poll_route: doorbell timeout: pre[{layer}] has not rung in "
                                        f"{self.timeout:.0f}s (holds {self.db.value()}, expected {want})")
                 return None
-        x, ids, wts = self.db.payload()
-        seq.route = Route(x[None], ids[None], wts[None])
+        seq.route = Route(*self.db.payload(self.cur.T))
         seq.phase = "routed"
         return seq.route
+
+    @property
+    def max_logit_rows(self) -> int:
+        """The most logit rows one step gives (a scoring chunk is cut to it)."""
+        return 1 if self.batch is None else self.batch.logit_rows
 
     def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
         if self.experts == "vram":
@@ -815,9 +869,12 @@ class CudaBackend:
         """post[plan.layer] with the plan's host parts for the routes it does not mark resident."""
         seq, layer = self._seq_of_step("launch_post"), plan.layer
         self._check_seq(seq, "launch_post", "routed", layer=layer)
-        cfg, k = self.cfg, self.cfg.n_expert_used
-        if plan.parts.shape != (1, k, cfg.n_embd):
-            raise BackendError(f"launch_post: parts of shape {plan.parts.shape}, expected (1, {k}, {cfg.n_embd})")
+        cfg, k, T = self.cfg, self.cfg.n_expert_used, self.cur.T
+        if plan.parts.shape != (T, k, cfg.n_embd):
+            raise BackendError(f"launch_post: parts of shape {plan.parts.shape}, expected ({T}, {k}, {cfg.n_embd})")
+        if T > 1:
+            self._post_rows(seq, plan)
+            return
         mask, parts = plan.mask[0], plan.parts[0]
         ids = seq.route.ids[0]
         if self.experts == "vram":
@@ -846,22 +903,66 @@ class CudaBackend:
             self._mark_needed = True                    # this post reads slots a later load may overwrite
         seq.phase = "post"
 
+    def _post_rows(self, seq: _Seq, plan: ExpertPlan) -> None:
+        """post[plan.layer] of a batched step: in host mode the slot table of the layer's resident experts and
+        the host's parts of the others go first."""
+        layer, cfg = plan.layer, self.cfg
+        if self.experts == "vram":
+            if not plan.resident.all():
+                raise BackendError("launch_post: experts='vram' computes every routed expert; the plan says the "
+                                   "host computed some")
+        else:
+            slot_of = np.full(cfg.n_expert, -1, I32)
+            for e in plan.experts[plan.resident]:
+                slot = self._slot_of.get((layer, int(e)))
+                if slot is None:
+                    raise BackendError(f"launch_post: expert {int(e)} of layer {layer} is marked resident but is "
+                                       f"in no cache slot")
+                slot_of[e] = slot
+            self._loads_before_post()
+            self.batch.stage_post(layer, slot_of, plan.parts, plan.mask)
+        self.batch.run("post", self.batch.bucket(self.cur.T), layer)
+        if self.experts == "host":
+            self._mark_needed = True
+        seq.phase = "post"
+
     @_guarded
     def launch_head(self) -> None:
         seq = self._seq_of_step("launch_head")
         self._check_seq(seq, "launch_head", "post", layer=self.cfg.n_layer - 1)
+        if self.cur.T > 1:
+            n = len(self.cur.logit_rows)
+            if n:
+                self.batch.run_head()
+                self.batch.copy_logits(n)
+            self.ev_head.record(self.stream)
+            seq.phase = "head"
+            return
         self._run("head", self._enq_head)
         self.ev_head.record(self.stream)
         seq.phase = "head"
 
     @_guarded
     def launch_whole(self, step: Step, e: np.ndarray | None) -> None:
-        """The whole one-row step as one graph (experts='vram' only, no doorbell wait), e its PLE vector
-        (1, ple_dim); poll_logits gives its logits."""
+        """The whole step as one graph (experts='vram' only, no doorbell wait), e its PLE rows (T, ple_dim);
+        poll_logits gives its logits. A step of several rows runs its bucket's batched graph, then the head."""
         seq = self._step_seq(step, "launch_whole")
         if self.experts != "vram" or not self.graphs or seq.dump is not None:
             raise BackendError("launch_whole: the whole-step graph needs experts='vram', graphs=True and no dump")
         self._check_seq(seq, "launch_whole", "idle")
+        if step.T > 1:                  # the bucket's whole-step graph, then the head on the logit rows
+            self._stage_rows(seq, step, "launch_whole")
+            if self.cfg.ple_layers:
+                if e is None:
+                    raise BackendError("launch_whole: the model's PLE layer needs the step's PLE rows")
+                self._stage_ple(seq, np.asarray(e, F32).reshape(step.T, -1), step.T, "launch_whole")
+            self.batch.run("whole", self.batch.bucket(step.T))
+            if len(step.logit_rows):
+                self.batch.run_head()
+                self.batch.copy_logits(len(step.logit_rows))
+            self.ev_head.record(self.stream)
+            seq.phase, seq.layer = "head", self.cfg.n_layer - 1
+            return
         self._stage_token(seq, int(step.tokens[0]), None if e is None else np.asarray(e).reshape(-1),
                           "launch_whole")
         if self.cfg.ple_layers and not seq.ple_ready:
@@ -877,13 +978,17 @@ class CudaBackend:
         self._check_seq(seq, "poll_logits", "head")
         if not self.ev_head.query("head"):
             return None
-        out = self.logits.copy()
-        if seq.dump is not None:
-            seq.dump.put(seq.pos, -1, "logits", out)
-        seq.pos += 1
+        T, n = self.cur.T, len(self.cur.logit_rows)
+        if T > 1:
+            out = self.batch.logits_out[:n].copy()
+        else:
+            out = self.logits.copy()[None] if n else np.zeros((0, self.cfg.n_vocab), F32)
+            if seq.dump is not None:
+                seq.dump.put(seq.pos, -1, "logits", out[0] if n else self.logits.copy())
+        seq.pos += T
         self._ring += self.cfg.n_layer
         seq.phase, seq.layer = "idle", -1
-        return out[None] if len(self.cur.logit_rows) else out[None, :0]
+        return out
 
     # ---- measurement helpers (bench/gpu_check.py) ----------------------------------------------------------
     def stage_graphs(self) -> list[tuple[str, Graph]]:
@@ -925,6 +1030,22 @@ class CudaBackend:
         self._ring += self.cfg.n_layer
         return out
 
+    @_guarded
+    def timed_step(self, step: Step, e: np.ndarray | None) -> list[tuple[str, float]]:
+        """A batched step (experts='vram') stage by stage with events between stages: [(label, ms)] whose sum is
+        this run's total (bench/bench_prefill_gpu.py). Synchronizes: measurement only."""
+        seq = self._step_seq(step, "timed_step")
+        if step.T < 2 or self.experts != "vram":
+            raise BackendError("timed_step: a batched step (T > 1) with experts='vram'")
+        self._check_seq(seq, "timed_step", "idle")
+        self._stage_rows(seq, step, "timed_step")
+        if self.cfg.ple_layers:
+            self._stage_ple(seq, np.asarray(e, F32).reshape(step.T, -1), step.T, "timed_step")
+        out = self.batch.timed(self.batch.bucket(step.T))
+        seq.pos += step.T
+        self._ring += self.cfg.n_layer
+        return out
+
     def measure_doorbell(self, n: int = 200) -> np.ndarray:
         """Seconds from cuGraphLaunch to the host seeing the ring, n times, for a graph of the step copy and
         layer 0's router kernel (the doorbell alone, not the layer before it). Between tokens only."""
@@ -932,7 +1053,7 @@ class CudaBackend:
             raise BackendError("measure_doorbell: a token is in flight")
         route = self.pre[0][[name for name, _ in self.pre[0]].index("route")][1][-1]
         g = Graph("doorbell probe", self.stream, lambda: (
-            drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 32, self.stream, "step"),
+            drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 4 * (STEP_WORDS + 1), self.stream, "step"),
             route.enqueue(self.stream)))
         ev, out = drv.Event(), []
         try:
@@ -966,6 +1087,9 @@ class CudaBackend:
             self.A.free()
             for b in (self.h_step, self.h_ple, self.h_post, self.h_logits):
                 b.free()
+            if self.batch is not None:
+                self.batch.destroy()
+                self.batch.free_host()
             self.db.free()
             if self.experts == "host":
                 for b in self.h_load:

@@ -1,7 +1,7 @@
 """The doorbell: mapped pinned host memory that the router kernel inside pre[l] writes and the host polls.
 
-Layout (bytes): [0, 4) seq (u32), alone on its line; [256, 256 + 4E) x (f32, the MoE input); then ids (k i32)
-and weights (k f32). The kernel writes the payload, fences system-wide, then stores seq = the token's ring base +
+Layout (bytes): [0, 4) seq (u32), alone on its line; [256, 256 + 4 rows E) x (rows, E f32, the MoE inputs);
+then ids (rows, k i32) and weights (rows, k f32), rows the most a step carries. The kernel writes the payload, fences system-wide, then stores seq = the token's ring base +
 layer; the host reads seq, and only after seeing its value reads the payload (x86 keeps loads in order).
 """
 
@@ -16,15 +16,15 @@ X_OFFSET = 256
 
 
 class Doorbell:
-    def __init__(self, E: int, k: int):
-        self.E, self.k = E, k
-        ids_off = X_OFFSET + 4 * E
-        wts_off = ids_off + 4 * k
-        self.buf = drv.HostBuffer(wts_off + 4 * k, mapped=True, what="doorbell")
+    def __init__(self, E: int, k: int, rows: int = 1):
+        self.E, self.k, self.rows = E, k, rows
+        ids_off = X_OFFSET + 4 * rows * E
+        wts_off = ids_off + 4 * rows * k
+        self.buf = drv.HostBuffer(wts_off + 4 * rows * k, mapped=True, what="doorbell")
         self.seq = self.buf.array(np.uint32, (1,), 0)
-        self.x = self.buf.array(np.float32, (E,), X_OFFSET)
-        self.ids = self.buf.array(np.int32, (k,), ids_off)
-        self.wts = self.buf.array(np.float32, (k,), wts_off)
+        self.x = self.buf.array(np.float32, (rows, E), X_OFFSET)
+        self.ids = self.buf.array(np.int32, (rows, k), ids_off)
+        self.wts = self.buf.array(np.float32, (rows, k), wts_off)
         self.seq[0] = 0
         d = self.buf.dptr
         self.ptrs = DoorbellPtrs(d + X_OFFSET, d + ids_off, d + wts_off, d)
@@ -32,8 +32,9 @@ class Doorbell:
     def value(self) -> int:
         return int(self.seq[0])
 
-    def payload(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.x.copy(), self.ids.copy(), self.wts.copy()
+    def payload(self, n: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first n rows: x (n, E), ids (n, k), weights (n, k)."""
+        return self.x[:n].copy(), self.ids[:n].copy(), self.wts[:n].copy()
 
     def free(self) -> None:
         self.buf.free()

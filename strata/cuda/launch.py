@@ -54,6 +54,9 @@ def F(x: float) -> ctypes.c_float:
     return ctypes.c_float(float(x))
 
 
+_SMEM_SET: dict[int, int] = {}     # function handle -> the dynamic shared limit set on it
+
+
 class Launch:
     """fn<<<grid, block, smem>>>(args), args made with P / I / F in the kernel's parameter order."""
 
@@ -66,9 +69,11 @@ class Launch:
             raise ValueError(f"{name}: empty launch grid {self.grid} block {self.block}")
         if self.block[0] * self.block[1] * self.block[2] > 1024:
             raise ValueError(f"{name}: {self.block} is more than 1024 threads")
-        if self.smem > SMEM_DEFAULT_LIMIT:
+        # the limit is the function's, not the launch's: only ever raised, so every launch built keeps its room
+        if self.smem > max(SMEM_DEFAULT_LIMIT, _SMEM_SET.get(int(fn), 0)):
             check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         self.smem), f"cuFuncSetAttribute({name}, {self.smem} B shared)")
+            _SMEM_SET[int(fn)] = self.smem
         self._vals = list(args)
         self._ptrs = (ctypes.c_void_p * max(len(args), 1))(*[ctypes.addressof(v) for v in self._vals])
         self._cfg = None

@@ -208,8 +208,12 @@ class Scheduler:
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
+        # a scoring chunk asks logits for every row: the backend may give fewer a step (the CUDA head's buffer)
+        self.logit_rows = getattr(backend, "max_logit_rows", None) or self.step_tokens
         # every expert in VRAM (CudaBackend experts="vram"): a step is one graph, no per-layer host round trip
-        self._whole_s = 0.0               # running estimate of the whole-step graph's time (its wait)
+        # running estimates of the whole-step graph's time (its wait), per step size: a prompt chunk's graph takes
+        # hundreds of times a decode row's
+        self._whole_s: dict[int, float] = {}
         self.whole = (getattr(backend, "experts", None) == "vram" and getattr(backend, "graphs", False)
                       and hasattr(backend, "launch_whole"))
         has_ple = bool(self.cfg.ple_layers)
@@ -388,7 +392,7 @@ class Scheduler:
                 if self.backend.max_seqs is not None and self.live >= self.backend.max_seqs:
                     continue                     # waits for a sequence
                 self._new_seq(req)
-            n = min(budget, len(req.prompt) - req.pos)
+            n = min(budget, len(req.prompt) - req.pos, self.logit_rows if req.sampler is None else budget)
             ends = req.pos + n == len(req.prompt)
             plan.append((req, req.prompt[req.pos:req.pos + n], "all" if req.sampler is None else
                          "last" if ends else "none"))
@@ -623,15 +627,15 @@ class Scheduler:
         st.span("token_launch", -1, t0, t1)
         # the graph takes about as long as the last ones did: sleep through most of it (the loop's timers are
         # ~1 ms coarse), then poll; a backoff alone would overshoot a 9 ms graph by up to its last sleep
-        if self._whole_s > 2 * TIMER_SLACK_S:
-            await asyncio.sleep(self._whole_s - TIMER_SLACK_S)
+        est = self._whole_s.get(step.T, 0.0)
+        if est > 2 * TIMER_SLACK_S:
+            await asyncio.sleep(est - TIMER_SLACK_S)
         logits = be.poll_logits()
         if logits is None:
             logits = await self._poll(be.poll_logits, "token", -1)
         t2 = clock()
         st.span("token_wait", -1, t1, t2)
-        self._whole_s = (t2 - t1) if self._whole_s == 0 else \
-            0.8 * self._whole_s + 0.2 * min(t2 - t1, 2 * self._whole_s)
+        self._whole_s[step.T] = (t2 - t1) if est == 0 else 0.8 * est + 0.2 * min(t2 - t1, 2 * est)
         return logits
 
     async def _expert_plan(self, il: int, route: Route, st: StepTrace) -> ExpertPlan:

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("gemv", "hc", "gdn", "qsa", "moe", "ple")
-HEADERS = ("common.cuh", "quant.cuh")
+SOURCES = ("gemv", "gemm", "hc", "gdn", "qsa", "moe", "ple")
+HEADERS = ("common.cuh", "quant.cuh", "gemm.cuh")
 # -lineinfo keeps source lines in the SASS for profilers; no fast-math (accuracy is the contract)
 OPTIONS = ("-std=c++17", "-lineinfo")
 

@@ -65,7 +65,9 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 #define STEP_TOKEN 0      // token id
 #define STEP_POS 1        // position of the token in the sequence (= cells already cached)
 #define STEP_RING 2       // doorbell sequence value of layer 0 for this token (layer l rings STEP_RING + l)
-#define STEP_WORDS 8
+#define STEP_T 3          // rows of the step (1 on the one-token path); row t is at position STEP_POS + t
+#define STEP_L 4          // logit rows of the step
+#define STEP_WORDS 8      // then the rows' token ids, then the logit rows (batched steps: see strata/cuda/backend.py)
 
 __device__ __forceinline__ float h2f(u16 h) {
     float f;

@@ -40,3 +40,35 @@ def gdn_core_launch(fn, name: str, cfg: ModelConfig, qkv: DevArray, z: DevArray,
     return Launch(fn, name, (Hv,), (bx, ky), smem,
                   [P(qkv), P(z), P(alpha), P(beta), P(conv_w), P(dt), P(A), P(norm_w), P(ring), P(S), P(y), P(step),
                    I(Hk), I(Hv), I(D), I(D), I(K), F(cfg.rms_eps)])
+
+
+def gdn_conv_launch(fn, name: str, cfg: ModelConfig, qkv: DevArray, conv_w: DevArray, ring: DevArray, c: DevArray,
+                    step: DevArray, rows: int) -> Launch:
+    """c[t] = silu(causal conv of row t) for the step's rows (a chunk of one sequence), rows at most."""
+    K = cfg.ssm_conv
+    need(qkv, name + " qkv", rows * cfg.conv_dim)
+    need(c, name + " conv out", rows * cfg.conv_dim)
+    need(conv_w, name + " conv1d", cfg.conv_dim * K)
+    need(ring, name + " conv ring", K * cfg.conv_dim)
+    need(step, name + " step", 8, np.int32)
+    return Launch(fn, name, (min(-(-rows * cfg.conv_dim // 256), 4096),), (256,), 0,
+                  [P(qkv), P(conv_w), P(ring), P(c), P(step), I(cfg.conv_dim), I(K)])
+
+
+def gdn_chunk_launch(fn, name: str, cfg: ModelConfig, c: DevArray, qkv: DevArray, z: DevArray, alpha: DevArray,
+                     beta: DevArray, dt: DevArray, A: DevArray, norm_w: DevArray, ring: DevArray, S: DevArray,
+                     y: DevArray, step: DevArray, rows: int) -> Launch:
+    """The delta rule over the step's rows in order, the state on chip for the whole chunk; the ring updated."""
+    Hk, Hv, D, K = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv
+    for a, what, n in ((c, "conv out", cfg.conv_dim), (qkv, "qkv", cfg.conv_dim), (z, "z", cfg.value_dim),
+                       (alpha, "alpha", Hv), (beta, "beta", Hv), (y, "y", cfg.value_dim)):
+        need(a, f"{name} {what}", rows * n)
+    for a, what, n in ((dt, "dt", Hv), (A, "A", Hv), (norm_w, "ssm_norm", D), (ring, "conv ring", K * cfg.conv_dim),
+                       (S, "state", Hv * D * D)):
+        need(a, f"{name} {what}", n)
+    need(step, name + " step", 8, np.int32)
+    bx, ky = block_shape(cfg)
+    smem = (2 * D + D + ky * D) * 4
+    return Launch(fn, name, (Hv,), (bx, ky), smem,
+                  [P(c), P(qkv), P(z), P(alpha), P(beta), P(dt), P(A), P(norm_w), P(ring), P(S), P(y), P(step),
+                   I(Hk), I(Hv), I(D), I(D), I(K), F(cfg.rms_eps)])

@@ -62,18 +62,32 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_jobs(const GemvJob* __
     }
 }
 
-// R[s] = row step[TOKEN] of the embedding table, dequantized, for every stream s (grid hc); then, when `norm` is
-// set, xn[s] = RMSNorm(R[s]) * norm[s]: the first layer's read norm, so pre[0] starts at its projections.
+// R[t, s] = row step[WORDS + t] (row t's token) of the embedding table, dequantized, for every stream s; grid
+// (hc, rows), rows past step[T] do nothing. When `norm` is set, xn[t, s] = RMSNorm(R[t, s]) * norm[s]: the first
+// layer's read norm, so pre[0] starts at its projections.
 extern "C" __global__ void __launch_bounds__(256) embed_rms(const u8* __restrict__ table, int type, int row_bytes,
                                                            int E, const i32* __restrict__ step, float* R,
                                                            const float* __restrict__ norm, float* xn, float eps) {
     __shared__ float red[33];
     pdl_begin();
-    const int s = blockIdx.x;
-    const u8* row = table + (size_t)step[STEP_TOKEN] * row_bytes;
-    row_deq(type, row, R + (size_t)s * E, E, threadIdx.x, blockDim.x);
+    const int s = blockIdx.x, t = blockIdx.y;
+    if (t >= step[STEP_T]) return;
+    const u8* row = table + (size_t)step[STEP_WORDS + t] * row_bytes;
+    const size_t o = ((size_t)t * gridDim.x + s) * E;
+    row_deq(type, row, R + o, E, threadIdx.x, blockDim.x);
     __syncthreads();
-    if (norm != nullptr) stream_rms(R + (size_t)s * E, norm + (size_t)s * E, xn + (size_t)s * E, E, eps, red);
+    if (norm != nullptr) stream_rms(R + o, norm + (size_t)s * E, xn + o, E, eps, red);
+}
+
+// dst[i] = src[idx[i]] for rows of n floats, i < *n_rows (the head's logit rows of a batched step)
+extern "C" __global__ void __launch_bounds__(256) gather_rows(const float* __restrict__ src, float* dst,
+                                                              const i32* __restrict__ idx,
+                                                              const i32* __restrict__ n_rows, int n) {
+    pdl_begin();
+    const int m = *n_rows;
+    for (int i = blockIdx.y; i < m; i += gridDim.y)
+        for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x)
+            dst[(size_t)i * n + e] = src[(size_t)idx[i] * n + e];
 }
 
 // Programmatic-launch probe (strata.cuda.launch): b[i] = a[i] + 1 after a kernel that wrote a[i] = i slowly.

@@ -184,14 +184,24 @@ def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job]) -> Launch:
 
 
 def embed_launch(fn, name: str, table: DevMat, step: DevArray, R: DevArray, norm: DevArray | None,
-                 xn: DevArray, hc: int, eps: float) -> Launch:
-    """R[s] = table row step[TOKEN] for every stream; xn[s] = RMSNorm(R[s]) * norm[s] when norm is given."""
+                 xn: DevArray, hc: int, eps: float, rows: int = 1) -> Launch:
+    """R[t, s] = table row of row t's token (step words) for every stream; xn[t, s] = RMSNorm(R[t, s]) * norm[s]
+    when norm is given; rows t < step[T]."""
     E = table.n_in
     _check_mat(table, name)
-    need(step, name + " step", 8, np.int32)
-    need(R, name + " R", hc * E)
-    need(xn, name + " xn", hc * E)
+    need(step, name + " step", 8 + rows, np.int32)
+    need(R, name + " R", rows * hc * E)
+    need(xn, name + " xn", rows * hc * E)
     if norm is not None:
         need(norm, name + " norm", hc * E)
-    return Launch(fn, name, (hc,), (256,), 0,
+    return Launch(fn, name, (hc, rows), (256,), 0,
                   [P(table), I(table.qtype), I(table.row_bytes), I(E), P(step), P(R), P(norm), P(xn), F(eps)])
+
+
+def gather_launch(fn, name: str, src: DevArray, dst: DevArray, idx: DevArray, n_rows: DevArray, rows: int,
+                  n: int) -> Launch:
+    """dst[i] = src[idx[i]] (rows of n floats) for i < n_rows (device word), rows at most."""
+    need(dst, name + " dst", rows * n)
+    need(idx, name + " rows", rows, np.int32)
+    need(n_rows, name + " n_rows", 1, np.int32)
+    return Launch(fn, name, (min(-(-n // 256), 16), min(rows, 64)), (256,), 0, [P(src), P(dst), P(idx), P(n_rows), I(n)])

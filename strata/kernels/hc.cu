@@ -2,26 +2,30 @@
 // and the write with the norm of the next read fused in. R is (hc, E) raw streams, row-major.
 #include "quant.cuh"
 
-// xn[s] = RMSNorm(R[s]) * w[s]; grid hc (used where nothing before could fuse it: after the PLE block)
+// xn[s] = RMSNorm(R[s]) * w[s]; grid (hc, rows): R and xn are (rows, hc, E), w is (hc, E). Used where nothing
+// before could fuse it: after the PLE block.
 extern "C" __global__ void __launch_bounds__(1024) rms_group(const float* __restrict__ R, const float* __restrict__ w,
                                                              float* xn, int E, float eps) {
     __shared__ float red[33];
     pdl_begin();
-    const size_t o = (size_t)blockIdx.x * E;
-    stream_rms(R + o, w + o, xn + o, E, eps, red);
+    const size_t o = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * E;
+    stream_rms(R + o, w + (size_t)blockIdx.x * E, xn + o, E, eps, red);
 }
 
 // R[s] += inject_s * out with inject_s = 2 sigmoid(inj_raw[s] / hc) (gr_write), then xn[s] = RMSNorm(R[s]) * w[s]
-// (the next gr_read's norm); grid hc. Each thread re-reads only what it wrote itself.
+// (the next gr_read's norm); grid (hc, rows): R, xn (rows, hc, E), inj_raw (rows, hc), out (rows, E). Each
+// thread re-reads only what it wrote itself.
 extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const float* __restrict__ inj_raw,
                                                              const float* __restrict__ out,
                                                              const float* __restrict__ w, float* xn, int E, int hc,
                                                              float eps) {
     __shared__ float red[33];
     pdl_begin();
-    const int s = blockIdx.x;
-    const float inj = 2.0f * sigmoidf_(inj_raw[s] / (float)hc);
-    float* r = R + (size_t)s * E;
+    const int s = blockIdx.x, row = blockIdx.y;
+    const float inj = 2.0f * sigmoidf_(inj_raw[row * hc + s] / (float)hc);
+    const size_t o = ((size_t)row * hc + s) * E;
+    float* r = R + o;
+    out += (size_t)row * E;
     float ss = 0.0f;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         const float v = r[e] + inj * out[e];
@@ -30,7 +34,29 @@ extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const flo
     }
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) xn[(size_t)s * E + e] = (r[e] * inv) * w[(size_t)s * E + e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) xn[o + e] = (r[e] * inv) * w[(size_t)s * E + e];
+}
+
+// The batched gr_read's tail, around a GEMM G = lo @ up^T (rows, hc*E): lo[i] = silu(lo_raw[i] / hc) for the
+// n = rows * r values first (hc_lo_act), then mixed[t, e] = mean_s sigmoid(G[t, s*E + e]) * xn[t, s, e] (hc_mix).
+extern "C" __global__ void __launch_bounds__(256) hc_lo_act(const float* __restrict__ lo_raw, float* lo, int n,
+                                                            int hc) {
+    pdl_begin();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        lo[i] = siluf_(lo_raw[i] / (float)hc);
+}
+
+extern "C" __global__ void __launch_bounds__(256) hc_mix(const float* __restrict__ G, const float* __restrict__ xn,
+                                                         float* mixed, const i32* __restrict__ n_rows, int E, int hc) {
+    pdl_begin();
+    const int n = *n_rows * E;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int t = i / E, e = i % E;
+        float acc = 0.0f;
+        for (int s = 0; s < hc; s++)
+            acc += sigmoidf_(G[((size_t)t * hc + s) * E + e]) * xn[((size_t)t * hc + s) * E + e];
+        mixed[i] = acc / (float)hc;
+    }
 }
 
 // mixed[e] = mean_s sigmoid(up[s*E + e] . lo) * xn[s, e] with lo = silu(lo_raw / hc) (gr_read's tail).

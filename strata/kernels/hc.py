@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
 from strata.kernels.gemv import KERNEL_TYPES, device_row_bytes, geometry, tile_smem
@@ -9,21 +11,43 @@ from strata.kernels.gemv import KERNEL_TYPES, device_row_bytes, geometry, tile_s
 MAX_HC = 4           # up_mix: one row set per stream, 4 at most (quant.cuh)
 
 
-def rms_group_launch(fn, name: str, R: DevArray, w: DevArray, xn: DevArray, hc: int, E: int, eps: float) -> Launch:
-    """xn[s] = RMSNorm(R[s]) * w[s] for the hc streams of E."""
-    for a, what in ((R, "R"), (w, "norm"), (xn, "xn")):
-        need(a, f"{name} {what}", hc * E)
-    return Launch(fn, name, (hc,), (1024,), 0, [P(R), P(w), P(xn), I(E), F(eps)])
+def rms_group_launch(fn, name: str, R: DevArray, w: DevArray, xn: DevArray, hc: int, E: int, eps: float,
+                     rows: int = 1) -> Launch:
+    """xn[t, s] = RMSNorm(R[t, s]) * w[s] for the hc streams of E of `rows` rows."""
+    need(w, f"{name} norm", hc * E)
+    for a, what in ((R, "R"), (xn, "xn")):
+        need(a, f"{name} {what}", rows * hc * E)
+    return Launch(fn, name, (hc, rows), (1024,), 0, [P(R), P(w), P(xn), I(E), F(eps)])
 
 
 def write_rms_launch(fn, name: str, R: DevArray, inj_raw: DevArray, out: DevArray, w: DevArray, xn: DevArray,
-                     hc: int, E: int, eps: float) -> Launch:
-    """R[s] += 2 sigmoid(inj_raw[s] / hc) * out, then xn[s] = RMSNorm(R[s]) * w[s]."""
-    need(inj_raw, name + " inject", hc)
-    need(out, name + " out", E)
-    for a, what in ((R, "R"), (w, "norm"), (xn, "xn")):
-        need(a, f"{name} {what}", hc * E)
-    return Launch(fn, name, (hc,), (1024,), 0, [P(R), P(inj_raw), P(out), P(w), P(xn), I(E), I(hc), F(eps)])
+                     hc: int, E: int, eps: float, rows: int = 1) -> Launch:
+    """R[t, s] += 2 sigmoid(inj_raw[t, s] / hc) * out[t], then xn[t, s] = RMSNorm(R[t, s]) * w[s]."""
+    need(inj_raw, name + " inject", rows * hc)
+    need(out, name + " out", rows * E)
+    need(w, f"{name} norm", hc * E)
+    for a, what in ((R, "R"), (xn, "xn")):
+        need(a, f"{name} {what}", rows * hc * E)
+    return Launch(fn, name, (hc, rows), (1024,), 0, [P(R), P(inj_raw), P(out), P(w), P(xn), I(E), I(hc), F(eps)])
+
+
+def lo_act_launch(fn, name: str, lo_raw: DevArray, lo: DevArray, rows: int, r: int, hc: int) -> Launch:
+    """lo = silu(lo_raw / hc) over rows x r values (the batched gr_read, before its up GEMM)."""
+    n = rows * r
+    need(lo_raw, name + " lo_raw", n)
+    need(lo, name + " lo", n)
+    return Launch(fn, name, (min(-(-n // 256), 1024),), (256,), 0, [P(lo_raw), P(lo), I(n), I(hc)])
+
+
+def mix_launch(fn, name: str, G: DevArray, xn: DevArray, mixed: DevArray, n_rows: DevArray, rows: int, hc: int,
+               E: int) -> Launch:
+    """mixed[t, e] = mean_s sigmoid(G[t, s*E + e]) * xn[t, s, e] for t < n_rows (device word), rows at most."""
+    need(G, name + " G", rows * hc * E)
+    need(xn, name + " xn", rows * hc * E)
+    need(mixed, name + " mixed", rows * E)
+    need(n_rows, name + " n_rows", 1, np.int32)
+    return Launch(fn, name, (min(-(-rows * E // 256), 2048),), (256,), 0,
+                  [P(G), P(xn), P(mixed), P(n_rows), I(E), I(hc)])
 
 
 def up_mix_geometry(qt: int, r: int, rb: int, hc: int, E: int):

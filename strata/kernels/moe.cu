@@ -1,5 +1,5 @@
 // moe.cu: the router with its doorbell, the VRAM-resident routed experts, and the combine that ends post[l].
-#include "quant.cuh"
+#include "gemm.cuh"
 
 // Softmax over the router logits, the top k by probability (ties to the lower expert id, like numpy's stable
 // argsort), weights renormalized to sum 1 -> ids[k], wts[k]. One CTA, one thread per expert (n_exp <= 1024).
@@ -8,6 +8,8 @@
 // Then the doorbell, when db_seq is set: x (the MoE input), ids and weights go to mapped pinned host memory,
 // every writer fences system-wide, the block syncs, and thread 0 stores the sequence value step[RING] + layer with
 // a volatile store. The host polls that value; a value it sees means the payload before it is in place.
+// Grid rows (one CTA per row of the step, rows < step[T]): logits (rows, n_exp), x (rows, E), ids/wts (rows, k) and
+// the payload the same; each CTA fences its payload, takes a ticket, and the last one rings (and resets the ticket).
 __device__ __forceinline__ u64 warp_max_u64(u64 v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -19,12 +21,19 @@ __device__ __forceinline__ u64 warp_max_u64(u64 v) {
 
 extern "C" __global__ void __launch_bounds__(1024) moe_route(
     const float* __restrict__ logits, const float* __restrict__ x, i32* ids, float* wts, float* db_x, i32* db_ids,
-    float* db_wts, volatile u32* db_seq, const i32* __restrict__ step, int layer, int n_exp, int k, int E) {
+    float* db_wts, volatile u32* db_seq, const i32* __restrict__ step, int layer, int n_exp, int k, int E,
+    u32* ticket) {
     __shared__ u64 cand[32 * 64];
     __shared__ float pk[64];
     __shared__ i32 ik[64];
     __shared__ float red[33];
     pdl_begin();
+    const int row = blockIdx.x, n_rows = step[STEP_T];
+    if (row >= n_rows) return;
+    logits += (size_t)row * n_exp;
+    x += (size_t)row * E;
+    ids += row * k;
+    wts += row * k;
     const int i = threadIdx.x, lane = i & 31, warp = i >> 5, nw = blockDim.x >> 5;
     const float li = i < n_exp ? logits[i] : -F_INF;
     const float mx = block_max(li, red);
@@ -68,14 +77,18 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
         wts[i] = pk[i] / red[0];
     }
     if (db_seq == nullptr) return;
-    for (int e = i; e < E; e += blockDim.x) db_x[e] = x[e];
+    for (int e = i; e < E; e += blockDim.x) db_x[(size_t)row * E + e] = x[e];
     if (i < k) {
-        db_ids[i] = ik[i];
-        db_wts[i] = pk[i] / red[0];
+        db_ids[row * k + i] = ik[i];
+        db_wts[row * k + i] = pk[i] / red[0];
     }
     __threadfence_system();
     __syncthreads();
-    if (i == 0) *db_seq = (u32)(step[STEP_RING] + layer);
+    if (i == 0 && atomicAdd(ticket, 1u) == (u32)(n_rows - 1)) {
+        *ticket = 0u;
+        __threadfence_system();
+        *db_seq = (u32)(step[STEP_RING] + layer);
+    }
 }
 
 // The routed experts' weights: expert slot s's gate, up and down matrices start at base + s * stride (a layer's
@@ -200,4 +213,172 @@ extern "C" __global__ void __launch_bounds__(1024) combine_write_rms(
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
     for (int e = tid; e < E; e += nt) xn[(size_t)s * E + e] = (r[e] * inv) * w_next[(size_t)s * E + e];
+}
+
+// ---- the batched step's routed experts: the step's (row, choice) pairs grouped by expert, on the device -------
+//
+// moe_group (one CTA of 1024 threads): for the step's rows (step[T]) and their k choices ids (rows, k), the pairs
+// whose expert has a VRAM slot (slot_of[e] >= 0; slot_of null: slot e, every expert resident) are counted per
+// expert, laid out expert by expert (pair_tok[p] = the pair's row, pair_of[row * k + j] = its pair p, -1 when the
+// host computes it) and cut into tiles of at most bn pairs: tiles[4 i] = {slot, first pair, pairs, 0}, *n_tiles.
+// The order of pairs inside an expert's group is the atomics' (each pair's result does not depend on it).
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restrict__ ids, const i32* __restrict__ slot_of,
+                                                             const i32* __restrict__ step, i32* pair_tok, i32* pair_of,
+                                                             i32* tiles, i32* n_tiles, int n_exp, int k, int bn) {
+    __shared__ int cnt[1024], fill[1024], off[1024], toff[1024];
+    pdl_begin();
+    const int tid = threadIdx.x, n = step[STEP_T] * k;
+    const int e = tid;
+    cnt[e] = 0;
+    fill[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int x = ids[i];
+        if (slot_of == nullptr || slot_of[x] >= 0) atomicAdd(&cnt[x], 1);
+    }
+    __syncthreads();
+    const int c = e < n_exp ? cnt[e] : 0, nt = (c + bn - 1) / bn;
+    // exclusive scans of the counts and of the tile counts (block_exscan of qsa.cu, here for both at once)
+    const int lane = tid & 31, w = tid >> 5;
+    int a = c, b = nt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int ya = __shfl_up_sync(FULL_MASK, a, o), yb = __shfl_up_sync(FULL_MASK, b, o);
+        if (lane >= o) {
+            a += ya;
+            b += yb;
+        }
+    }
+    __shared__ int wa[32], wb[32];
+    if (lane == 31) {
+        wa[w] = a;
+        wb[w] = b;
+    }
+    __syncthreads();
+    if (w == 0) {
+        int sa = wa[lane], sb = wb[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int ya = __shfl_up_sync(FULL_MASK, sa, o), yb = __shfl_up_sync(FULL_MASK, sb, o);
+            if (lane >= o) {
+                sa += ya;
+                sb += yb;
+            }
+        }
+        wa[lane] = sa;
+        wb[lane] = sb;
+    }
+    __syncthreads();
+    off[e] = (w > 0 ? wa[w - 1] : 0) + a - c;
+    toff[e] = (w > 0 ? wb[w - 1] : 0) + b - nt;
+    if (tid == blockDim.x - 1) *n_tiles = toff[e] + nt;
+    const int slot = e < n_exp ? (slot_of == nullptr ? e : slot_of[e]) : -1;
+    for (int q = 0; q < nt; q++) {
+        i32* tq = tiles + 4 * (toff[e] + q);
+        tq[0] = slot;
+        tq[1] = off[e] + q * bn;
+        tq[2] = min(bn, c - q * bn);
+        tq[3] = 0;
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int x = ids[i];
+        if (slot_of == nullptr || slot_of[x] >= 0) {
+            const int p = off[x] + atomicAdd(&fill[x], 1);
+            pair_tok[p] = i / k;
+            pair_of[i] = p;
+        } else {
+            pair_of[i] = -1;
+        }
+    }
+}
+
+// h[p] = silu(gate_s x[pair_tok[p]]) * (up_s x[pair_tok[p]]) for the pairs p of tile blockIdx.y (expert slot s);
+// grid (ceil(F / 64), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp).
+template <int MT, int NT, int WM, int WN>
+__device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
+                                            const i32* __restrict__ n_tiles, const float* __restrict__ x,
+                                            const i32* __restrict__ pair_tok, float* h) {
+    constexpr int BM = WM * MT * 16;
+    pdl_begin();
+    if ((int)blockIdx.y >= *n_tiles) return;
+    const MoeJob J = *job;
+    const i32* tq = tiles + 4 * blockIdx.y;
+    const int slot = tq[0], p0 = tq[1], np_ = tq[2];
+    gemm_tile<MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
+                              J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * BM, x, J.E, pair_tok + p0, np_, 0,
+                              h + (size_t)p0 * J.Fp, J.Fp);
+}
+
+// out[p] = down_s h[p]; grid (ceil(E / 64), max tiles). out (pairs, E).
+template <int MT, int NT, int WM, int WN>
+__device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
+                                              const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
+    constexpr int BM = WM * MT * 16;
+    pdl_begin();
+    if ((int)blockIdx.y >= *n_tiles) return;
+    const MoeJob J = *job;
+    const i32* tq = tiles + 4 * blockIdx.y;
+    const int slot = tq[0], p0 = tq[1], np_ = tq[2];
+    gemm_tile<MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
+                              (int)blockIdx.x * BM, h + (size_t)p0 * J.Fp, J.Fp, nullptr, np_, 0,
+                              out + (size_t)p0 * J.E, J.E);
+}
+
+extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_gu16(const MoeJob* __restrict__ job,
+        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ x,
+        const i32* __restrict__ pair_tok, float* h) {
+    moe_gu_body<1, 2, 4, 1>(job, tiles, n_tiles, x, pair_tok, h);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_gu64(const MoeJob* __restrict__ job,
+        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ x,
+        const i32* __restrict__ pair_tok, float* h) {
+    moe_gu_body<2, 4, 2, 2>(job, tiles, n_tiles, x, pair_tok, h);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_down16(const MoeJob* __restrict__ job,
+        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
+    moe_down_body<1, 2, 4, 1>(job, tiles, n_tiles, h, out);
+}
+extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_down64(const MoeJob* __restrict__ job,
+        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
+    moe_down_body<2, 4, 2, 2>(job, tiles, n_tiles, h, out);
+}
+
+// combine_write_rms for the step's rows: row t's out = sum_j wts[t, j] part(t, j) + sigmoid(sg[t]) shared[t], part
+// = gpu_out[pair_of[t k + j]] when that is >= 0, else host_parts[t k + j]; then gr_write and the next read's norm
+// as combine_write_rms. grid (hc, rows); comb (rows, E) written by the CTAs of stream 0.
+extern "C" __global__ void __launch_bounds__(1024) combine_rows(
+    const float* __restrict__ wts, const i32* __restrict__ pair_of, const float* __restrict__ gpu_out,
+    const float* __restrict__ host_parts, const float* __restrict__ shared, const float* __restrict__ sg,
+    const float* __restrict__ inj_raw, float* R, float* comb, const float* __restrict__ w_next, float* xn,
+    const i32* __restrict__ step, int k, int E, int hc, float eps) {
+    __shared__ float red[33];
+    __shared__ float sw[64];
+    __shared__ const float* sp[64];
+    pdl_begin();
+    const int s = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    if (t >= step[STEP_T]) return;
+    if (tid < k) {
+        sw[tid] = wts[t * k + tid];
+        const int p = pair_of[t * k + tid];
+        sp[tid] = p >= 0 ? gpu_out + (size_t)p * E : host_parts + ((size_t)t * k + tid) * E;
+    }
+    __syncthreads();
+    const float inj = 2.0f * sigmoidf_(inj_raw[t * hc + s] / (float)hc), gs = sigmoidf_(sg[t]);
+    float* r = R + ((size_t)t * hc + s) * E;
+    const float* sh = shared + (size_t)t * E;
+    float ss = 0.0f;
+    for (int e = tid; e < E; e += nt) {
+        float o = 0.0f;
+#pragma unroll 4
+        for (int j = 0; j < k; j++) o += sw[j] * sp[j][e];
+        o += sh[e] * gs;
+        if (s == 0) comb[(size_t)t * E + e] = o;
+        const float v = r[e] + inj * o;
+        r[e] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+    for (int e = tid; e < E; e += nt) xn[((size_t)t * hc + s) * E + e] = (r[e] * inv) * w_next[(size_t)s * E + e];
 }

@@ -29,20 +29,23 @@ def padded_ff(cfg: ModelConfig) -> int:
 
 
 def route_launch(fn, name: str, cfg: ModelConfig, layer: int, logits: DevArray, x: DevArray, ids: DevArray,
-                 wts: DevArray, step: DevArray, db: "DoorbellPtrs | None") -> Launch:
-    """Top-k routing; with `db` the payload and the ring go to the doorbell's mapped memory."""
+                 wts: DevArray, step: DevArray, db: "DoorbellPtrs | None", ticket: DevArray,
+                 rows: int = 1) -> Launch:
+    """Top-k routing of the step's rows (up to `rows`); with `db` the payload and the ring go to the doorbell's
+    mapped memory, rung by the last row's CTA (ticket: a zeroed u32 word the kernel leaves zeroed)."""
     n, k, E = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
     if n > MAX_EXPERTS or k > MAX_USED:
         raise ValueError(f"{name}: {n} experts top-{k}; the router kernel takes <= {MAX_EXPERTS} top-<= {MAX_USED}")
-    need(logits, name + " logits", n)
-    need(x, name + " x", E)
-    need(ids, name + " ids", k, np.int32)
-    need(wts, name + " weights", k)
+    need(logits, name + " logits", rows * n)
+    need(x, name + " x", rows * E)
+    need(ids, name + " ids", rows * k, np.int32)
+    need(wts, name + " weights", rows * k)
     need(step, name + " step", 8, np.int32)
+    need(ticket, name + " ticket", 1, np.uint32)
     d = db or DoorbellPtrs(0, 0, 0, 0)
-    return Launch(fn, name, (1,), (max(32, (n + 31) // 32 * 32),), 0,
+    return Launch(fn, name, (rows,), (max(32, (n + 31) // 32 * 32),), 0,
                   [P(logits), P(x), P(ids), P(wts), P(d.x), P(d.ids), P(d.wts), P(d.seq), P(step), I(layer), I(n),
-                   I(k), I(E)])
+                   I(k), I(E), P(ticket)])
 
 
 @dataclass(frozen=True)
@@ -134,3 +137,79 @@ def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArr
     return Launch(fn, name, (hc,), (1024,), 0,
                   [P(wts), P(slots), P(gpu_parts), P(host_parts), P(shared), P(sg), P(inj_raw), P(R), P(comb),
                    P(w_next), P(xn), I(k), I(E), I(hc), F(cfg.rms_eps)])
+
+
+# ---- the batched step: pairs grouped by expert on the device, the grouped GEMMs, the combine over rows --------
+
+def tile_bn(max_rows: int, k: int, n_expert: int) -> int:
+    """Pairs per expert tile: 16 while the step's pairs per expert are few, 64 for long chunks."""
+    return 16 if max_rows * k <= 16 * n_expert else 64
+
+
+def max_tiles(max_rows: int, k: int, n_expert: int, bn: int) -> int:
+    """Tiles of a step at most: every used expert's partial tile plus the full ones."""
+    pairs = max_rows * k
+    return min(n_expert, pairs) + pairs // bn
+
+
+def group_launch(fn, name: str, cfg: ModelConfig, ids: DevArray, slot_of: DevArray | None, step: DevArray,
+                 pair_tok: DevArray, pair_of: DevArray, tiles: DevArray, n_tiles: DevArray, rows: int,
+                 bn: int) -> Launch:
+    """The step's pairs grouped by expert (slot_of: the layer's VRAM slot per expert, -1 on the host; None: all
+    resident, slot = expert id) and cut into tiles of bn pairs."""
+    n, k = cfg.n_expert, cfg.n_expert_used
+    if n > MAX_EXPERTS:
+        raise ValueError(f"{name}: {n} experts; the grouping kernel takes <= {MAX_EXPERTS}")
+    need(ids, name + " ids", rows * k, np.int32)
+    if slot_of is not None:
+        need(slot_of, name + " slot table", n, np.int32)
+    need(step, name + " step", 8, np.int32)
+    need(pair_tok, name + " pair rows", rows * k, np.int32)
+    need(pair_of, name + " pair of", rows * k, np.int32)
+    need(tiles, name + " tiles", 4 * max_tiles(rows, k, n, bn), np.int32)
+    need(n_tiles, name + " tile count", 1, np.int32)
+    return Launch(fn, name, (1,), (1024,), 0,
+                  [P(ids), P(slot_of), P(step), P(pair_tok), P(pair_of), P(tiles), P(n_tiles), I(n), I(k), I(bn)])
+
+
+def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank, tiles: DevArray,
+                     n_tiles: DevArray, x: DevArray, pair_tok: DevArray, h: DevArray, out: DevArray, rows: int,
+                     bn: int) -> tuple[Launch, Launch]:
+    """(gate/up GLU, down) over the step's expert tiles; uploads the layer's MoeJob into `job`.
+    x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name) -> the function."""
+    from strata.kernels.gemm import BM, LD
+    k, E, Fn, Fp = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, padded_ff(cfg)
+    row = moe_job_row(cfg, bank)
+    need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
+    need(x, name + " x", rows * E)
+    need(pair_tok, name + " pair rows", rows * k, np.int32)
+    need(h, name + " h", rows * k * Fp)
+    need(out, name + " out", rows * k * E)
+    job.upload(row.view(np.uint8))
+    nt = max_tiles(rows, k, cfg.n_expert, bn)
+    gu = Launch(fn_of(f"moe_gu{bn}"), name + ".gate_up", (-(-Fn // BM), nt), (128,), (2 * BM + bn) * LD * 4,
+                [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h)])
+    dn = Launch(fn_of(f"moe_down{bn}"), name + ".down", (-(-E // BM), nt), (128,), (BM + bn) * LD * 4,
+                [P(job), P(tiles), P(n_tiles), P(h), P(out)])
+    return gu, dn
+
+
+def combine_rows_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, pair_of: DevArray, gpu_out: DevArray,
+                        host_parts: DevArray, shared: DevArray, sg: DevArray, inj_raw: DevArray, R: DevArray,
+                        comb: DevArray, w_next: DevArray, xn: DevArray, step: DevArray, rows: int) -> Launch:
+    k, E, hc = cfg.n_expert_used, cfg.n_embd, cfg.hc
+    need(wts, name + " weights", rows * k)
+    need(pair_of, name + " pair of", rows * k, np.int32)
+    need(gpu_out, name + " GPU parts", rows * k * E)
+    need(host_parts, name + " host parts", rows * k * E)
+    need(shared, name + " shared", rows * E)
+    need(sg, name + " shared gate", rows)
+    need(inj_raw, name + " inject", rows * hc)
+    for a, what in ((R, "R"), (xn, "xn")):
+        need(a, f"{name} {what}", rows * hc * E)
+    need(w_next, name + " next norm", hc * E)
+    need(comb, name + " comb", rows * E)
+    need(step, name + " step", 8, np.int32)
+    return Launch(fn, name, (hc, rows), (1024,), 0,
+                  [P(wts), P(pair_of), P(gpu_out), P(host_parts), P(shared), P(sg), P(inj_raw), P(R), P(comb),
+                   P(w_next), P(xn), P(step), I(k), I(E), I(hc), F(cfg.rms_eps)])

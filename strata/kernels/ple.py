@@ -11,12 +11,14 @@ from strata.cuda.launch import F, I, Launch, P, need
 
 def ple_mix_launch(fn, name: str, cfg: ModelConfig, R: DevArray, key_raw: DevArray, value: DevArray,
                    norm_key: DevArray, norm_query: DevArray, norm_conv: DevArray, conv_w: DevArray, hist: DevArray,
-                   step: DevArray) -> Launch:
+                   step: DevArray, rows: int = 1) -> Launch:
+    """The PLE block for the step's rows (up to `rows`), in order inside each stream's CTA."""
     C = cfg.hc_dim
-    for a, what in ((R, "R"), (key_raw, "key"), (norm_key, "norm_key"), (norm_query, "norm_query"),
-                    (norm_conv, "norm_conv")):
+    for a, what in ((R, "R"), (key_raw, "key")):
+        need(a, f"{name} {what}", rows * C)
+    for a, what in ((norm_key, "norm_key"), (norm_query, "norm_query"), (norm_conv, "norm_conv")):
         need(a, f"{name} {what}", C)
-    need(value, name + " value", cfg.n_embd)
+    need(value, name + " value", rows * cfg.n_embd)
     need(conv_w, name + " conv1d", C * cfg.ple_conv)
     need(hist, name + " history", cfg.ple_hist * C)
     need(step, name + " step", 8, np.int32)

@@ -8,21 +8,32 @@
 
 #define QSA_MAXD 256      // head dims up to 256 (8 values per lane in the attention kernel)
 
-// grid H + Hkv + Hi + 1, block 128. CTA kinds: query head (RMSNorm, RoPE -> q_out), key head (RMSNorm, RoPE ->
+// grid (H + Hkv + Hi + 1, rows), block 128; row r is at position step[POS] + r, r < step[T]. CTA kinds: query head (RMSNorm, RoPE -> q_out), key head (RMSNorm, RoPE ->
 // Kc[t]; V -> Vc[t]), indexer query head (RMSNorm, RoPE -> iq_out), and the indexer key CTA (raw -> idx_raw[t];
-// when t completes block b = t / ratio: mean of the block's raw keys, RMSNorm, RoPE at 4b -> idx_blk[b]).
-// qg (H, 2D): per head [q | gate]. Shared memory: max(D, Di) floats.
+// when t completes block b = t / ratio and `pool` is set: mean of the block's raw keys, RMSNorm, RoPE at 4b ->
+// idx_blk[b]; a chunk of rows pools in qsa_pool after, since its blocks' raw keys come from several CTAs).
+// Per row: qg (H, 2D) [q | gate] per head, kr/vr (Hkv*D), iqr (Hi*Di), ikr (Di), q_out (H*D), iq_out (Hi*Di).
+// Shared memory: max(D, Di) floats.
 extern "C" __global__ void __launch_bounds__(128) qsa_prep(
     const float* __restrict__ qg, const float* __restrict__ kr, const float* __restrict__ vr,
     const float* __restrict__ iqr, const float* __restrict__ ikr, const float* __restrict__ q_norm,
     const float* __restrict__ k_norm, const float* __restrict__ iq_norm, const float* __restrict__ ik_norm,
     const float* __restrict__ inv_freq, float* q_out, float* Kc, float* Vc, float* iq_out, float* idx_raw,
     float* idx_blk, const i32* __restrict__ step, int H, int Hkv, int D, int Hi, int Di, int n_rot, int ratio,
-    float eps) {
+    float eps, int pool) {
     pdl_begin();
     extern __shared__ float v[];
     __shared__ float red[33];
-    const int b = blockIdx.x, t = step[STEP_POS];
+    const int b = blockIdx.x, row = blockIdx.y;
+    if (row >= step[STEP_T]) return;
+    const int t = step[STEP_POS] + row;
+    qg += (size_t)row * H * 2 * D;
+    kr += (size_t)row * Hkv * D;
+    vr += (size_t)row * Hkv * D;
+    iqr += (size_t)row * Hi * Di;
+    ikr += (size_t)row * Di;
+    q_out += (size_t)row * H * D;
+    iq_out += (size_t)row * Hi * Di;
     const float* src;
     const float* w;
     float* dst;
@@ -45,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(128) qsa_prep(
         n = Di;
     } else {
         for (int i = threadIdx.x; i < Di; i += blockDim.x) idx_raw[(size_t)t * Di + i] = ikr[i];
-        if ((t + 1) % ratio != 0) return;
+        if (!pool || (t + 1) % ratio != 0) return;
         const int blk = t / ratio;
         for (int i = threadIdx.x; i < Di; i += blockDim.x) {
             float s = 0.0f;
@@ -68,15 +79,46 @@ extern "C" __global__ void __launch_bounds__(128) qsa_prep(
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = v[i];
 }
 
+// The blocks that rows of a chunk complete (qsa_prep wrote their raw keys): CTA i takes the i-th row t with
+// (step[POS] + t + 1) % ratio == 0, block b = (step[POS] + t) / ratio: the mean of its raw keys in cell order,
+// RMSNorm, RoPE at b * ratio -> idx_blk[b], as qsa_prep's one-token pooling. Shared memory: Di floats.
+extern "C" __global__ void __launch_bounds__(128) qsa_pool(const float* __restrict__ idx_raw, float* idx_blk,
+                                                           const float* __restrict__ ik_norm,
+                                                           const float* __restrict__ inv_freq,
+                                                           const i32* __restrict__ step, int Di, int n_rot, int ratio,
+                                                           float eps) {
+    pdl_begin();
+    extern __shared__ float v[];
+    __shared__ float red[33];
+    const int p0 = step[STEP_POS], t = (ratio - 1 - p0 % ratio) + (int)blockIdx.x * ratio;
+    if (t >= step[STEP_T]) return;
+    const int blk = (p0 + t) / ratio;
+    for (int i = threadIdx.x; i < Di; i += blockDim.x) {
+        float s = 0.0f;
+        for (int c = blk * ratio; c < blk * ratio + ratio; c++) s += idx_raw[(size_t)c * Di + i];
+        v[i] = s / (float)ratio;
+    }
+    __syncthreads();
+    stream_rms(v, ik_norm, v, Di, eps, red);
+    __syncthreads();
+    rope_neox(v, n_rot, blk * ratio, inv_freq);
+    for (int i = threadIdx.x; i < Di; i += blockDim.x) idx_blk[(size_t)blk * Di + i] = v[i];
+}
+
 // scores[b] = sum_h relu(iq_h . idx_blk[b]) / sqrt(Di) for the nb = (t+1) / ratio complete blocks, only when
-// nb > topk (otherwise everything is selected and nothing reads the scores). One warp per block, grid-stride.
+// nb > topk (otherwise everything is selected and nothing reads the scores). One warp per block, grid-stride over
+// gridDim.x; grid.y = rows: row r (t = step[POS] + r) reads iq + r Hi Di and writes scores + r ld.
 extern "C" __global__ void __launch_bounds__(256) qsa_score(const float* __restrict__ iq,
                                                             const float* __restrict__ idx_blk, float* scores,
                                                             const i32* __restrict__ step, int Hi, int Di, int ratio,
-                                                            int topk) {
+                                                            int topk, int ld) {
     pdl_begin();
-    const int nb = (step[STEP_POS] + 1) / ratio;
+    const int row = blockIdx.y;
+    if (row >= step[STEP_T]) return;
+    const int nb = (step[STEP_POS] + row + 1) / ratio;
     if (nb <= topk) return;
+    iq += (size_t)row * Hi * Di;
+    scores += (size_t)row * ld;
     const int lane = threadIdx.x & 31, nw = (gridDim.x * blockDim.x) >> 5;
     const float sd = sqrtf((float)Di);
     for (int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += nw) {
@@ -121,13 +163,20 @@ __device__ __forceinline__ int block_exscan(int x, int* sm) {
 // select finds the topk-th largest score T (scores are >= 0, so their bit patterns order like the values), then an
 // ordered compaction keeps every score > T and the first `need` scores == T. One CTA of 1024 threads.
 // Cells attended: the selected blocks' ratio cells each, then the incomplete tail nb*ratio .. t.
+// Grid rows: row r (t = step[POS] + r) reads scores + r ld, writes sel + r ld and meta + 2 r.
 extern "C" __global__ void __launch_bounds__(1024) qsa_select(const float* __restrict__ scores, i32* sel, i32* meta,
-                                                              const i32* __restrict__ step, int ratio, int topk) {
+                                                              const i32* __restrict__ step, int ratio, int topk,
+                                                              int ld) {
     pdl_begin();
     __shared__ u32 hist[256];
     __shared__ u32 sh_prefix, sh_need;
     __shared__ int scan[33];
-    const int t = step[STEP_POS], nb = (t + 1) / ratio, tail = t + 1 - nb * ratio, tid = threadIdx.x;
+    const int row = blockIdx.x;
+    if (row >= step[STEP_T]) return;
+    scores += (size_t)row * ld;
+    sel += (size_t)row * ld;
+    meta += 2 * row;
+    const int t = step[STEP_POS] + row, nb = (t + 1) / ratio, tail = t + 1 - nb * ratio, tid = threadIdx.x;
     if (nb <= topk) {
         for (int i = tid; i < nb; i += blockDim.x) sel[i] = i;
         if (tid == 0) {
@@ -185,15 +234,21 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_select(const float* __res
 // Split-K attention: grid (Hkv, nsplit), one warp per query head of the kv head's group (consecutive heads share
 // a kv head). Split sp takes cells [sp*per, (sp+1)*per) of the n_cells list; a warp keeps an online softmax
 // (m, l, acc) and writes it to part[(h * nsplit + sp) * (D + 2)] = {m, l, acc[D]} (m = -inf when empty).
+// grid.z = rows: row r (t = step[POS] + r) reads q + r H D, sel + r ld, meta + 2 r and writes part + r H nsplit (D+2).
 extern "C" __global__ void __launch_bounds__(1024) qsa_attn(const float* __restrict__ q, const float* __restrict__ Kc,
                                                             const float* __restrict__ Vc, const i32* __restrict__ sel,
                                                             const i32* __restrict__ meta, float* part,
                                                             const i32* __restrict__ step, int Hkv, int D, int ratio,
-                                                            int nsplit) {
+                                                            int nsplit, int ld) {
     pdl_begin();
-    const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31;
-    const int group = blockDim.x >> 5, h = kvh * group + (threadIdx.x >> 5);
-    const int nb = (step[STEP_POS] + 1) / ratio, nsc = meta[0] * ratio, n_cells = meta[1];
+    const int kvh = blockIdx.x, sp = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31;
+    if (row >= step[STEP_T]) return;
+    const int group = blockDim.x >> 5, h = kvh * group + (threadIdx.x >> 5), H = gridDim.x * group;
+    q += (size_t)row * H * D;
+    sel += (size_t)row * ld;
+    meta += 2 * row;
+    part += (size_t)row * H * nsplit * (D + 2);
+    const int nb = (step[STEP_POS] + row + 1) / ratio, nsc = meta[0] * ratio, n_cells = meta[1];
     const int per = (n_cells + nsplit - 1) / nsplit, i0 = sp * per, i1 = min(n_cells, i0 + per);
     const float sd = sqrtf((float)D);
     float qr[QSA_MAXD / 32], acc[QSA_MAXD / 32];
@@ -236,12 +291,17 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_attn(const float* __restr
     }
 }
 
-// y[h*D + d] = softmax-weighted V of head h (the splits merged) * sigmoid(gate[h, d]); grid H
+// y[h*D + d] = softmax-weighted V of head h (the splits merged) * sigmoid(gate[h, d]); grid (H, rows), per row
+// part + r H nsplit (D+2), qg + r H 2D, y + r H D.
 extern "C" __global__ void __launch_bounds__(256) qsa_combine(const float* __restrict__ part,
                                                               const float* __restrict__ qg, float* y, int D,
-                                                              int nsplit) {
+                                                              int nsplit, const i32* __restrict__ step) {
     pdl_begin();
-    const int h = blockIdx.x;
+    const int h = blockIdx.x, row = blockIdx.y, H = gridDim.x;
+    if (row >= step[STEP_T]) return;
+    part += (size_t)row * H * nsplit * (D + 2);
+    qg += (size_t)row * H * 2 * D;
+    y += (size_t)row * H * D;
     const float* ph = part + (size_t)h * nsplit * (D + 2);
     float M = -F_INF;
     for (int s = 0; s < nsplit; s++) M = fmaxf(M, ph[(size_t)s * (D + 2)]);

@@ -22,76 +22,98 @@ def check_geometry(cfg: ModelConfig) -> None:
 def prep_launch(fn, name: str, cfg: ModelConfig, il: int, qg: DevArray, kr: DevArray, vr: DevArray, iqr: DevArray,
                 ikr: DevArray, q_norm: DevArray, k_norm: DevArray, iq_norm: DevArray, ik_norm: DevArray,
                 inv_freq: DevArray, q: DevArray, Kc: DevArray, Vc: DevArray, iq: DevArray, idx_raw: DevArray,
-                idx_blk: DevArray, step: DevArray, max_ctx: int) -> Launch:
+                idx_blk: DevArray, step: DevArray, max_ctx: int, rows: int = 1) -> Launch:
+    """rows = 1: the one-token path, pooling a block it completes; rows > 1: a chunk, pooled by pool_launch."""
     H, Hkv, D, Hi, Di, ratio = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.idx_heads, cfg.idx_dim, cfg.compress_ratios[il]
     check_geometry(cfg)
-    need(qg, name + " q|gate", 2 * H * D)
-    need(kr, name + " k", Hkv * D)
-    need(vr, name + " v", Hkv * D)
-    need(iqr, name + " indexer q", Hi * Di)
-    need(ikr, name + " indexer k", Di)
+    need(qg, name + " q|gate", rows * 2 * H * D)
+    need(kr, name + " k", rows * Hkv * D)
+    need(vr, name + " v", rows * Hkv * D)
+    need(iqr, name + " indexer q", rows * Hi * Di)
+    need(ikr, name + " indexer k", rows * Di)
     need(q_norm, name + " q_norm", D)
     need(k_norm, name + " k_norm", D)
     need(iq_norm, name + " indexer q_norm", Di)
     need(ik_norm, name + " indexer k_norm", Di)
     need(inv_freq, name + " inv_freq", cfg.n_rot // 2)
-    need(q, name + " q out", H * D)
+    need(q, name + " q out", rows * H * D)
     need(Kc, name + " K cache", max_ctx * Hkv * D)
     need(Vc, name + " V cache", max_ctx * Hkv * D)
-    need(iq, name + " indexer q out", Hi * Di)
+    need(iq, name + " indexer q out", rows * Hi * Di)
     need(idx_raw, name + " indexer raw keys", max_ctx * Di)
     need(idx_blk, name + " indexer block keys", max_ctx // ratio * Di)
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (H + Hkv + Hi + 1,), (128,), max(D, Di) * 4,
+    return Launch(fn, name, (H + Hkv + Hi + 1, rows), (128,), max(D, Di) * 4,
                   [P(qg), P(kr), P(vr), P(iqr), P(ikr), P(q_norm), P(k_norm), P(iq_norm), P(ik_norm), P(inv_freq),
                    P(q), P(Kc), P(Vc), P(iq), P(idx_raw), P(idx_blk), P(step), I(H), I(Hkv), I(D), I(Hi), I(Di),
-                   I(cfg.n_rot), I(ratio), F(cfg.rms_eps)])
+                   I(cfg.n_rot), I(ratio), F(cfg.rms_eps), I(rows == 1)])
+
+
+def pool_launch(fn, name: str, cfg: ModelConfig, il: int, idx_raw: DevArray, idx_blk: DevArray, ik_norm: DevArray,
+                inv_freq: DevArray, step: DevArray, max_ctx: int, rows: int) -> Launch:
+    """The indexer block keys of the blocks a chunk of up to `rows` rows completes."""
+    Di, ratio = cfg.idx_dim, cfg.compress_ratios[il]
+    need(idx_raw, name + " indexer raw keys", max_ctx * Di)
+    need(idx_blk, name + " indexer block keys", max_ctx // ratio * Di)
+    need(ik_norm, name + " indexer k_norm", Di)
+    need(inv_freq, name + " inv_freq", cfg.n_rot // 2)
+    need(step, name + " step", 8, np.int32)
+    return Launch(fn, name, (-(-rows // ratio),), (128,), Di * 4,
+                  [P(idx_raw), P(idx_blk), P(ik_norm), P(inv_freq), P(step), I(Di), I(cfg.n_rot), I(ratio),
+                   F(cfg.rms_eps)])
 
 
 def score_launch(fn, name: str, cfg: ModelConfig, il: int, iq: DevArray, idx_blk: DevArray, scores: DevArray,
-                 step: DevArray, max_ctx: int, n_sm: int) -> Launch:
+                 step: DevArray, max_ctx: int, n_sm: int, rows: int = 1, ld: int | None = None) -> Launch:
+    """ld: the row stride of scores (rows > 1), at least max_ctx // ratio."""
     ratio = cfg.compress_ratios[il]
     max_blocks = max_ctx // ratio
-    need(iq, name + " indexer q", cfg.idx_heads * cfg.idx_dim)
+    ld = ld or max_blocks
+    need(iq, name + " indexer q", rows * cfg.idx_heads * cfg.idx_dim)
     need(idx_blk, name + " block keys", max_blocks * cfg.idx_dim)
-    need(scores, name + " scores", max_blocks)
+    need(scores, name + " scores", (rows - 1) * ld + max_blocks)
     need(step, name + " step", 8, np.int32)
-    grid = max(1, min((max_blocks + 7) // 8, 4 * n_sm))     # grid-stride over the blocks that exist this step
-    return Launch(fn, name, (grid,), (256,), 0,
+    grid = max(1, min((max_blocks + 7) // 8, max(1, 4 * n_sm // rows)))   # grid-stride over the blocks of a row
+    return Launch(fn, name, (grid, rows), (256,), 0,
                   [P(iq), P(idx_blk), P(scores), P(step), I(cfg.idx_heads), I(cfg.idx_dim), I(ratio),
-                   I(cfg.block_topk(il))])
+                   I(cfg.block_topk(il)), I(ld)])
 
 
 def select_launch(fn, name: str, cfg: ModelConfig, il: int, scores: DevArray, sel: DevArray, meta: DevArray,
-                  step: DevArray, max_ctx: int) -> Launch:
+                  step: DevArray, max_ctx: int, rows: int = 1, ld: int | None = None) -> Launch:
     ratio = cfg.compress_ratios[il]
-    need(scores, name + " scores", max_ctx // ratio)
-    need(sel, name + " selection", max_ctx // ratio, np.int32)
-    need(meta, name + " counts", 2, np.int32)
+    ld = ld or max_ctx // ratio
+    need(scores, name + " scores", (rows - 1) * ld + max_ctx // ratio)
+    need(sel, name + " selection", (rows - 1) * ld + max_ctx // ratio, np.int32)
+    need(meta, name + " counts", 2 * rows, np.int32)
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (1,), (1024,), 0, [P(scores), P(sel), P(meta), P(step), I(ratio), I(cfg.block_topk(il))])
+    return Launch(fn, name, (rows,), (1024,), 0,
+                  [P(scores), P(sel), P(meta), P(step), I(ratio), I(cfg.block_topk(il)), I(ld)])
 
 
 def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevArray, Vc: DevArray, sel: DevArray,
-                meta: DevArray, part: DevArray, step: DevArray, max_ctx: int, nsplit: int) -> Launch:
+                meta: DevArray, part: DevArray, step: DevArray, max_ctx: int, nsplit: int, rows: int = 1,
+                ld: int | None = None) -> Launch:
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    ld = ld or max_ctx // cfg.compress_ratios[il]
     check_geometry(cfg)
-    need(q, name + " q", H * D)
+    need(q, name + " q", rows * H * D)
     need(Kc, name + " K cache", max_ctx * Hkv * D)
     need(Vc, name + " V cache", max_ctx * Hkv * D)
     need(sel, name + " selection", 1, np.int32)
-    need(meta, name + " counts", 2, np.int32)
-    need(part, name + " partials", H * nsplit * (D + 2))
+    need(meta, name + " counts", 2 * rows, np.int32)
+    need(part, name + " partials", rows * H * nsplit * (D + 2))
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (Hkv, nsplit), (32 * (H // Hkv),), 0,
+    return Launch(fn, name, (Hkv, nsplit, rows), (32 * (H // Hkv),), 0,
                   [P(q), P(Kc), P(Vc), P(sel), P(meta), P(part), P(step), I(Hkv), I(D), I(cfg.compress_ratios[il]),
-                   I(nsplit)])
+                   I(nsplit), I(ld)])
 
 
 def combine_launch(fn, name: str, cfg: ModelConfig, part: DevArray, qg: DevArray, y: DevArray,
-                   nsplit: int) -> Launch:
+                   nsplit: int, step: DevArray, rows: int = 1) -> Launch:
     H, D = cfg.n_head, cfg.head_dim
-    need(part, name + " partials", H * nsplit * (D + 2))
-    need(qg, name + " q|gate", 2 * H * D)
-    need(y, name + " y", H * D)
-    return Launch(fn, name, (H,), (256,), 0, [P(part), P(qg), P(y), I(D), I(nsplit)])
+    need(part, name + " partials", rows * H * nsplit * (D + 2))
+    need(qg, name + " q|gate", rows * 2 * H * D)
+    need(y, name + " y", rows * H * D)
+    need(step, name + " step", 8, np.int32)
+    return Launch(fn, name, (H, rows), (256,), 0, [P(part), P(qg), P(y), I(D), I(nsplit), P(step)])

@@ -1,0 +1,395 @@
+"""The CUDA backend's batched steps: T rows of one sequence (a prompt chunk) per step, with the stage names and the
+pre/post split of the one-token path (strata.cuda.backend), for T up to the backend's max_step_tokens.
+
+Every matrix product is a GEMM (strata/kernels/gemm.cu: a weight tile decoded once and applied to all rows on the
+tensor cores); GDN runs the chunk with its state on chip (gdn_conv, gdn_chunk); QSA appends the chunk's keys, pools
+the blocks it completes, and each query selects and attends its own cells; the MoE groups the step's (row, choice)
+pairs by expert on the device (moe_group) and runs one grouped GEMM over every used expert's rows; the head runs
+on the step's logit rows only.
+
+Graphs are captured per bucket of rows (BUCKETS up to max_step_tokens) at fixed addresses: the step's row count,
+tokens, positions and logit rows are device data (the step block), so one bucket's graphs serve every T up to it.
+
+Buffers (rows = max_step_tokens, f32 unless noted): R, xn (rows, hc, E); lo_raw, lo (rows, hc_rank); G (rows,
+hc*E); inj_a, inj_f (rows, hc); mixed, mix_out, x_ffn, shared, comb (rows, E); router logits (rows, n_exp); ids
+i32, wts (rows, k); pairs: pair_tok, pair_of i32 (rows*k), h (rows*k, Fp), out (rows*k, E); tiles i32 (max, 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.cuda import driver as drv
+from strata.cuda.graphs import Graph
+from strata.cuda.launch import CopyH2D
+from strata.kernels import gdn as kgdn
+from strata.kernels import gemm as kgemm
+from strata.kernels import gemv as kgemv
+from strata.kernels import hc as khc
+from strata.kernels import moe as kmoe
+from strata.kernels import ple as kple
+from strata.kernels import qsa as kqsa
+from strata.kernels.gemm import GemmJob
+
+F32, I32, U8 = np.float32, np.int32, np.uint8
+BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096)   # graph sets for steps of up to this many rows (and max_step_tokens)
+NSPLIT = 4                               # QSA attention splits per query: the rows give the parallelism
+LOGIT_BYTES = 256 << 20                  # device bytes for a step's logit rows (flash: 270 rows of 248,320)
+
+
+def buckets(max_rows: int) -> tuple[int, ...]:
+    return tuple(sorted({b for b in BUCKETS if b < max_rows} | {max_rows}))
+
+
+class BatchPath:
+    """Owned by a CudaBackend `be` with max_step_tokens > 1: plan() before the arena's commit, build() after it,
+    capture() for the graphs; then begin/pre/post/head per step (the backend checks the protocol)."""
+
+    def __init__(self, be, rows: int):
+        self.be, self.rows = be, rows
+        cfg = be.cfg
+        self.logit_rows = max(1, min(rows, LOGIT_BYTES // (4 * cfg.n_vocab)))
+        self.buckets = buckets(rows)
+        self.bn_exp = kmoe.tile_bn(rows, cfg.n_expert_used, cfg.n_expert)
+
+    # ---- planning -----------------------------------------------------------------------------------------
+    def plan(self) -> None:
+        be, cfg, Tm = self.be, self.be.cfg, self.rows
+        R = be.A.reserve
+        E, hc, k, r = cfg.n_embd, cfg.hc, cfg.n_expert_used, cfg.hc_rank
+        self.R = R("b.R", (Tm, hc, E))
+        self.xn = R("b.xn", (Tm, hc, E))
+        self.lo_raw = R("b.lo_raw", (Tm, r))
+        self.lo = R("b.lo", (Tm, r))
+        self.G = R("b.G", (Tm, hc * E))
+        self.inj_a = R("b.inject_attn", (Tm, hc))
+        self.inj_f = R("b.inject_ffn", (Tm, hc))
+        self.mixed = R("b.mixed", (Tm, E))
+        self.mix_out = R("b.mixer_out", (Tm, E))
+        self.x_ffn = R("b.x_ffn", (Tm, E))
+        self.logits_r = R("b.router_logits", (Tm, cfg.n_expert))
+        self.sg = R("b.shexp_gate", (Tm, 1))
+        self.ids = R("b.ids", (Tm, k), I32)
+        self.wts = R("b.weights", (Tm, k))
+        self.h_sh = R("b.h_shared", (Tm, cfg.n_ff_shexp))
+        self.shared = R("b.shared", (Tm, E))
+        self.comb = R("b.combine", (Tm, E))
+        Fp = kmoe.padded_ff(cfg)
+        self.pair_tok = R("b.pair_rows", (Tm * k,), I32)
+        self.pair_of = R("b.pair_of", (Tm * k,), I32)
+        self.h_exp = R("b.h_experts", (Tm * k, Fp))
+        self.out_exp = R("b.expert_out", (Tm * k, E))
+        self.tiles = R("b.tiles", (4 * kmoe.max_tiles(Tm, k, cfg.n_expert, self.bn_exp),), I32)
+        self.n_tiles = R("b.n_tiles", (1,), I32)
+        self.ticket = R("b.ticket", (1,), np.uint32)
+        if be.experts == "host":
+            self.slot_of = R("b.slot_of", (cfg.n_expert,), I32)
+            self.host_parts = R("b.host_parts", (Tm * k, E))
+        L = self.logit_rows
+        self.xh = R("b.head_xn", (L, hc, E))
+        self.lo_h = R("b.head_lo_raw", (L, r))
+        self.lo_ha = R("b.head_lo", (L, r))
+        self.G_h = R("b.head_G", (L, hc * E))
+        self.mixed_h = R("b.head_mixed", (L, E))
+        self.logits = R("b.logits", (L, cfg.n_vocab))
+        if any(cfg.recurrent):
+            self.qkv = R("b.gdn_qkv", (Tm, cfg.conv_dim))
+            self.conv = R("b.gdn_conv", (Tm, cfg.conv_dim))
+            self.z = R("b.gdn_z", (Tm, cfg.value_dim))
+            self.alpha = R("b.gdn_alpha", (Tm, cfg.ssm_v_heads))
+            self.beta = R("b.gdn_beta", (Tm, cfg.ssm_v_heads))
+            self.y = R("b.gdn_y", (Tm, cfg.value_dim))
+        if not all(cfg.recurrent):
+            H, Hkv, D, Hi, Di = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.idx_heads, cfg.idx_dim
+            self.ld_blocks = max(be.max_ctx // cfg.compress_ratios[i] for i in range(cfg.n_layer)
+                                 if not cfg.recurrent[i])
+            self.qg = R("b.qsa_q_gate", (Tm, H, 2 * D))
+            self.kr = R("b.qsa_k", (Tm, Hkv * D))
+            self.vr = R("b.qsa_v", (Tm, Hkv * D))
+            self.iqr = R("b.qsa_iq_raw", (Tm, Hi * Di))
+            self.ikr = R("b.qsa_ik_raw", (Tm, Di))
+            self.q = R("b.qsa_q", (Tm, H, D))
+            self.iq = R("b.qsa_iq", (Tm, Hi, Di))
+            self.scores = R("b.qsa_scores", (Tm, self.ld_blocks))
+            self.sel = R("b.qsa_sel", (Tm, self.ld_blocks), I32)
+            self.meta = R("b.qsa_meta", (Tm, 2), I32)
+            self.part = R("b.qsa_partials", (Tm, H, NSPLIT, D + 2))
+            self.att = R("b.qsa_att", (Tm, H * D))
+        if cfg.ple_layers:
+            self.ple_e = R("b.ple_e", (Tm, cfg.ple_dim))
+            self.ple_key = R("b.ple_key_raw", (Tm, cfg.hc_dim))
+            self.ple_value = R("b.ple_value", (Tm, E))
+        self.tables: dict[str, object] = {}
+        self._ops = self._plan_ops()
+
+    def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
+        """A GEMM op: its job table reserved now, its launches (one per bucket) built later."""
+        table = kgemm.job_table(name + ".gemm_jobs", len(jobs), self.be.A.reserve)
+        return ("gemm", name, table, jobs, n_rows)
+
+    def _plan_ops(self) -> dict:
+        """Per stage, the ops of begin, pre[l], post[l] and head: ('gemm', ...) or ('k', builder(rows))."""
+        be, cfg, K = self.be, self.be.cfg, self.be.kern
+        E, hc, eps, r = cfg.n_embd, cfg.hc, cfg.rms_eps, cfg.hc_rank
+        step = be.b_step
+        n_T = step.view("T", 4 * 3, (1,), I32)          # STEP_T
+        n_L = step.view("L", 4 * 4, (1,), I32)          # STEP_L
+        self.n_T, self.n_L = n_T, n_L
+        self.lrows = step.view("logit_rows", 4 * (8 + self.rows), (self.rows,), I32)
+        hcE = hc * E
+
+        def k(fn_builder):
+            return ("k", fn_builder)
+
+        def read(p, d, half, out, inj):
+            """gr_read of T rows: down + inject GEMM on xn, silu, the up GEMM, the gated mean."""
+            return [self._gemm(p + f"{half}_down_inject", [GemmJob(d[f"hc_{half}_down"], self.xn, self.lo_raw, ldx=hcE),
+                                                          GemmJob(d[f"hc_{half}_inject"], self.xn, inj, ldx=hcE)]),
+                    k(lambda rows: khc.lo_act_launch(K.fn("hc", "hc_lo_act"), p + f"{half}_lo", self.lo_raw, self.lo,
+                                                     rows, r, hc)),
+                    self._gemm(p + f"{half}_up", [GemmJob(d[f"hc_{half}_up"], self.lo, self.G)]),
+                    k(lambda rows: khc.mix_launch(K.fn("hc", "hc_mix"), p + f"{half}_mix", self.G, self.xn, out, n_T,
+                                                  rows, hc, E))]
+
+        L0 = be.L[0]
+        first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
+        ops = {"begin": [("embed", [k(lambda rows: CopyH2D("step", step, be.h_step.ptr, step.nbytes)),
+                                    k(lambda rows: kgemv.embed_launch(K.fn("gemv", "embed_rms"), "b.embed", be.w_embd,
+                                                                       step, self.R, first_norm, self.xn, hc, eps,
+                                                                       rows))])]}
+        pre, pre_tok, post = [], [], []
+        for il in range(cfg.n_layer):
+            d, s, p = be.L[il], be.S[il], f"b.blk.{il}."
+            st: list = []
+            if il in cfg.ple_layers:
+                st.append(("ple", [
+                    k(lambda rows: CopyH2D("PLE rows", self.ple_e, be.h_ple.ptr, 4 * rows * cfg.ple_dim)),
+                    self._gemm(p + "ple_proj", [GemmJob(d["ple_key"], self.ple_e, self.ple_key),
+                                                GemmJob(d["ple_value"], self.ple_e, self.ple_value)]),
+                    k(lambda rows, d=d, p=p: kple.ple_mix_launch(
+                        K.fn("ple", "ple_mix"), p + "ple_mix", cfg, self.R, self.ple_key, self.ple_value,
+                        d["ple_norm_key"], d["ple_norm_query"], d["ple_norm_conv"], d["ple_conv1d"], be.b_ple_hist,
+                        step, rows)),
+                    k(lambda rows, d=d, p=p: khc.rms_group_launch(K.fn("hc", "rms_group"), p + "attn_norm", self.R,
+                                                                  d["hc_attn_norm"], self.xn, hc, E, eps, rows))]))
+            st.append(("attn_read", read(p, d, "attn", self.mixed, self.inj_a)))
+            if cfg.recurrent[il]:
+                mixer = [self._gemm(p + "gdn_proj", [GemmJob(d["attn_qkv"], self.mixed, self.qkv),
+                                                     GemmJob(d["attn_gate"], self.mixed, self.z),
+                                                     GemmJob(d["ssm_alpha"], self.mixed, self.alpha),
+                                                     GemmJob(d["ssm_beta"], self.mixed, self.beta)]),
+                         k(lambda rows, d=d, s=s, p=p: kgdn.gdn_conv_launch(
+                             K.fn("gdn", "gdn_conv"), p + "gdn_conv", cfg, self.qkv, d["ssm_conv1d"], s["ring"],
+                             self.conv, step, rows)),
+                         k(lambda rows, d=d, s=s, p=p: kgdn.gdn_chunk_launch(
+                             K.fn("gdn", "gdn_chunk"), p + "gdn_chunk", cfg, self.conv, self.qkv, self.z, self.alpha,
+                             self.beta, d["ssm_dt"], d["ssm_a"], d["ssm_norm"], s["ring"], s["S"], self.y, step,
+                             rows)),
+                         self._gemm(p + "ssm_out", [GemmJob(d["ssm_out"], self.y, self.mix_out)])]
+            else:
+                ld = self.ld_blocks
+                mixer = [self._gemm(p + "qsa_proj", [GemmJob(d["attn_q"], self.mixed, self.qg),
+                                                     GemmJob(d["attn_k"], self.mixed, self.kr),
+                                                     GemmJob(d["attn_v"], self.mixed, self.vr),
+                                                     GemmJob(d["indexer_q_proj"], self.mixed, self.iqr),
+                                                     GemmJob(d["indexer_k_proj"], self.mixed, self.ikr)]),
+                         k(lambda rows, il=il, d=d, s=s, p=p: kqsa.prep_launch(
+                             K.fn("qsa", "qsa_prep"), p + "qsa_prep", cfg, il, self.qg, self.kr, self.vr, self.iqr,
+                             self.ikr, d["attn_q_norm"], d["attn_k_norm"], d["indexer_q_norm"], d["indexer_k_norm"],
+                             be.inv_freq, self.q, s["Kc"], s["Vc"], self.iq, s["idx_raw"], s["idx_blk"], step,
+                             be.max_ctx, rows)),
+                         k(lambda rows, il=il, d=d, s=s, p=p: kqsa.pool_launch(
+                             K.fn("qsa", "qsa_pool"), p + "qsa_pool", cfg, il, s["idx_raw"], s["idx_blk"],
+                             d["indexer_k_norm"], be.inv_freq, step, be.max_ctx, rows)),
+                         k(lambda rows, il=il, s=s, p=p: kqsa.score_launch(
+                             K.fn("qsa", "qsa_score"), p + "qsa_score", cfg, il, self.iq, s["idx_blk"], self.scores,
+                             step, be.max_ctx, be.dev.n_sm, rows, ld)),
+                         k(lambda rows, il=il, p=p: kqsa.select_launch(
+                             K.fn("qsa", "qsa_select"), p + "qsa_select", cfg, il, self.scores, self.sel, self.meta,
+                             step, be.max_ctx, rows, ld)),
+                         k(lambda rows, il=il, s=s, p=p: kqsa.attn_launch(
+                             K.fn("qsa", "qsa_attn"), p + "qsa_attn", cfg, il, self.q, s["Kc"], s["Vc"], self.sel,
+                             self.meta, self.part, step, be.max_ctx, NSPLIT, rows, ld)),
+                         k(lambda rows, p=p: kqsa.combine_launch(
+                             K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.part, self.qg, self.att,
+                             NSPLIT, step, rows)),
+                         self._gemm(p + "attn_output", [GemmJob(d["attn_output"], self.att, self.mix_out)])]
+            st.append(("mixer", mixer))
+            st.append(("attn_write", [k(lambda rows, d=d, p=p: khc.write_rms_launch(
+                K.fn("hc", "write_rms"), p + "attn_write", self.R, self.inj_a, self.mix_out, d["hc_ffn_norm"],
+                self.xn, hc, E, eps, rows))]))
+            st.append(("ffn_read", read(p, d, "ffn", self.x_ffn, self.inj_f)))
+            router = self._gemm(p + "router", [GemmJob(d["router"], self.x_ffn, self.logits_r),
+                                               GemmJob(d["shexp_gate"], self.x_ffn, self.sg),
+                                               GemmJob(d["ffn_gate_shexp"], self.x_ffn, self.h_sh,
+                                                       w2=d["ffn_up_shexp"])])
+            def route(ring: bool, il=il, p=p):
+                return k(lambda rows: kmoe.route_launch(
+                    K.fn("moe", "moe_route"), p + "route", cfg, il, self.logits_r, self.x_ffn, self.ids, self.wts,
+                    step, be.db.ptrs if ring else None, self.ticket, rows))
+            shared = ("shared", [self._gemm(p + "shexp_down", [GemmJob(d["ffn_down_shexp"], self.h_sh, self.shared)])])
+            pre.append(st + [("route", [router, route(True)]), shared])
+            pre_tok.append(st + [("route", [router, route(False)]), shared])   # the whole-step graph: no doorbell
+            w_next = be.L[il + 1]["hc_attn_norm"] if il + 1 < cfg.n_layer else be.w_out_norm
+            slot_of = self.slot_of if be.experts == "host" else None
+            host_parts = self.host_parts if be.experts == "host" else self.out_exp
+            bn = self.bn_exp
+            post.append([
+                ("experts", [
+                    k(lambda rows, p=p, slot_of=slot_of: kmoe.group_launch(
+                        K.fn("moe", "moe_group"), p + "group", cfg, self.ids, slot_of, step, self.pair_tok,
+                        self.pair_of, self.tiles, self.n_tiles, self.rows, bn)),
+                    k(lambda rows, il=il, p=p: kmoe.grouped_launches(
+                        lambda n: K.fn("moe", n), p + "experts", cfg, be.expert_job[il], be.banks[il], self.tiles,
+                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, bn))]),
+                ("combine", [k(lambda rows, p=p, w_next=w_next, host_parts=host_parts: kmoe.combine_rows_launch(
+                    K.fn("moe", "combine_rows"), p + "combine", cfg, self.wts, self.pair_of, self.out_exp,
+                    host_parts, self.shared, self.sg, self.inj_f, self.R, self.comb, w_next, self.xn, step,
+                    rows))])])
+        L = self.logit_rows
+        head = [k(lambda rows: kgemv.gather_launch(K.fn("gemv", "gather_rows"), "b.head_gather", self.xn, self.xh,
+                                                   self.lrows, n_L, L, hcE)),
+                self._gemm("b.output_down", [GemmJob(be.w_out_down, self.xh, self.lo_h, ldx=hcE)], n_L),
+                k(lambda rows: khc.lo_act_launch(K.fn("hc", "hc_lo_act"), "b.output_lo", self.lo_h, self.lo_ha, L, r,
+                                                 hc)),
+                self._gemm("b.output_up", [GemmJob(be.w_out_up, self.lo_ha, self.G_h)], n_L),
+                k(lambda rows: khc.mix_launch(K.fn("hc", "hc_mix"), "b.output_mix", self.G_h, self.xh, self.mixed_h,
+                                              n_L, L, hc, E)),
+                self._gemm("b.lm_head", [GemmJob(be.w_out, self.mixed_h, self.logits)], n_L)]
+        ops["pre"], ops["pre_tok"], ops["post"], ops["head"] = pre, pre_tok, post, [("head", head)]
+        return ops
+
+    # ---- after the commit ---------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Every bucket's launches; the GEMM job tables' contents (the same for every bucket)."""
+        K = self.be.kern
+        uploaded: set[str] = set()
+
+        def one(op, rows):
+            if op[0] == "k":
+                got = op[1](rows)
+                return list(got) if isinstance(got, tuple) else [got]
+            _, name, table, jobs, n_rows = op
+            n_rows = n_rows or self.n_T
+            launch = kgemm.gemm_launch(lambda n: K.fn("gemm", n), name, table, jobs, n_rows, rows)
+            uploaded.add(name)
+            return [launch]
+
+        def stages(st, rows):
+            return [(name, [x for op in ops for x in one(op, rows)]) for name, ops in st]
+
+        self.launches = {}
+        for b in self.buckets:
+            self.launches[b] = {"begin": stages(self.ops_begin, b),
+                                "pre": [stages(x, b) for x in self._ops["pre"]],
+                                "post": [stages(x, b) for x in self._ops["post"]]}
+            if self.be.experts == "vram":
+                self.launches[b]["pre_tok"] = [stages(x, b) for x in self._ops["pre_tok"]]
+        self.head = stages(self._ops["head"], self.logit_rows)
+
+    @property
+    def ops_begin(self):
+        return self._ops["begin"]
+
+    def capture(self) -> None:
+        be = self.be
+        self.g: dict = {}
+        for b in self.buckets:
+            ls = self.launches[b]
+            self.g[("begin", b)] = Graph(f"b{b}.begin", be.stream, lambda ls=ls: self._enq(ls["begin"]))
+            for il in range(be.cfg.n_layer):
+                self.g[("pre", b, il)] = Graph(f"b{b}.pre[{il}]", be.stream, lambda ls=ls, il=il: self._enq(ls["pre"][il]))
+                self.g[("post", b, il)] = Graph(f"b{b}.post[{il}]", be.stream,
+                                                lambda ls=ls, il=il: self._enq(ls["post"][il]))
+            if be.experts == "vram":
+                def whole(ls=ls):
+                    self._enq(ls["begin"])
+                    for il in range(be.cfg.n_layer):
+                        self._enq(ls["pre_tok"][il])
+                        self._enq(ls["post"][il])
+                self.g[("whole", b)] = Graph(f"b{b}.whole", be.stream, whole)
+
+    def destroy(self) -> None:
+        for g in getattr(self, "g", {}).values():
+            g.destroy()
+        self.g = {}
+
+    def _enq(self, stages) -> None:
+        for _, launches in stages:
+            for launch in launches:
+                launch.enqueue(self.be.stream)
+
+    def bucket(self, T: int) -> int:
+        for b in self.buckets:
+            if T <= b:
+                return b
+        raise ValueError(f"a step of {T} rows; at most {self.rows}")
+
+    def run(self, key, b: int, il: int | None = None) -> None:
+        be = self.be
+        if be.graphs:
+            self.g[(key, b) if il is None else (key, b, il)].launch(be.stream)
+        else:
+            ls = self.launches[b][key]
+            self._enq(ls if il is None else ls[il])
+
+    def timed(self, b: int) -> list[tuple[str, float]]:
+        """The staged step through bucket b's launches stage by stage with an event between stages (eager, no
+        doorbell): [(label, ms)] summing to the run's total, labels 'begin', 'gdn:mixer', 'qsa:experts', 'head'.
+        Synchronizes: measurement only."""
+        be, ls = self.be, self.launches[b]
+        pre = ls.get("pre_tok", ls["pre"])
+        parts = [("begin", ls["begin"])]
+        for il in range(be.cfg.n_layer):
+            kind = "gdn" if be.cfg.recurrent[il] else "qsa"
+            parts += [(f"{kind}:{name}", [(name, x)]) for name, x in pre[il] + ls["post"][il]]
+        parts.append(("head", self.head))
+        evs = [drv.Event(timing=True) for _ in range(len(parts) + 1)]
+        try:
+            evs[0].record(be.stream)
+            for (_, st), ev in zip(parts, evs[1:]):
+                self._enq(st)
+                ev.record(be.stream)
+            evs[-1].synchronize("timed step")
+            return [(label, evs[i + 1].elapsed_ms(evs[i])) for i, (label, _) in enumerate(parts)]
+        finally:
+            for ev in evs:
+                ev.destroy()
+
+    def run_head(self) -> None:
+        self._enq(self.head)
+
+    def host_buffers(self) -> None:
+        """Pinned staging: the logit rows; in host mode a layer's slot table and the host's parts."""
+        cfg, k, E = self.be.cfg, self.be.cfg.n_expert_used, self.be.cfg.n_embd
+        self.h_logits = drv.HostBuffer(4 * self.logit_rows * cfg.n_vocab, what="batched logits")
+        self.logits_out = self.h_logits.array(F32, (self.logit_rows, cfg.n_vocab))
+        self._pinned = [self.h_logits]
+        if self.be.experts == "host":
+            self.h_slot = drv.HostBuffer(4 * cfg.n_expert, what="slot table staging")
+            self.slot_stage = self.h_slot.array(I32, (cfg.n_expert,))
+            self.h_parts = drv.HostBuffer(4 * self.rows * k * E, what="host parts staging")
+            self.parts_stage = self.h_parts.array(F32, (self.rows, k, E))
+            self._pinned += [self.h_slot, self.h_parts]
+
+    def free_host(self) -> None:
+        for b in getattr(self, "_pinned", []):
+            b.free()
+        self._pinned = []
+
+    def stage_post(self, layer: int, slot_of: np.ndarray, parts: np.ndarray, mask: np.ndarray) -> None:
+        """Host mode: the layer's slot table, and the host's parts (T, k, E) where mask (T, k) is false, copied
+        before post[layer]."""
+        be = self.be
+        T, k, E = parts.shape
+        self.slot_stage[:] = slot_of
+        drv.memcpy_htod_async(self.slot_of.ptr, self.h_slot.ptr, self.h_slot.nbytes, be.stream,
+                              f"post[{layer}] slot table")
+        if not mask.all():
+            self.parts_stage[:T][~mask] = parts[~mask]
+            drv.memcpy_htod_async(self.host_parts.ptr, self.h_parts.ptr, 4 * T * k * E, be.stream,
+                                  f"post[{layer}] host parts")
+
+    def copy_logits(self, n: int) -> None:
+        drv.memcpy_dtoh_async(self.h_logits.ptr, self.logits.ptr, 4 * n * self.be.cfg.n_vocab, self.be.stream,
+                              "batched logits")

@@ -1,0 +1,45 @@
+// gemm.cu: the batched step's dense matrix products on the tensor cores (the tile: gemm.cuh), every block format
+// the GEMV takes, several matrices reading the same rows in one launch.
+#include "gemm.cuh"
+
+// Layout must match strata/kernels/gemm.py (GEMM_JOB_DTYPE): 80 bytes.
+struct GemmJob {
+    const u8* w;          // n_out rows of row_bytes
+    const u8* w2;         // GLU partner, or null
+    const float* x;       // rows of ldx floats, 16-byte aligned
+    float* y;             // rows of ldy floats
+    const i32* xrow;      // row n reads x[xrow[n]] (null: x[n])
+    i32 type, type2, n_in, n_out, row_bytes, row_bytes2;
+    i32 ldx, ldy;
+    i32 cta0;             // first M tile of this job in its launch
+    i32 pad;
+};
+
+// Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN)); the step's row count is device
+// data (*n_rows), so a graph captured for a bucket of rows serves every count up to it.
+template <int MT, int NT, int WM, int WN>
+__device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs, int n_jobs,
+                                               const i32* __restrict__ n_rows) {
+    constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
+    pdl_begin();
+    const int nrows = *n_rows, n0 = blockIdx.y * BN;
+    if (n0 >= nrows) return;
+    int j = 0;
+    for (int i = 1; i < n_jobs; i++)
+        if (jobs[i].cta0 <= (int)blockIdx.x) j = i;
+    const GemmJob J = jobs[j];
+    const int m0 = ((int)blockIdx.x - J.cta0) * BM;
+    gemm_tile<MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out, m0, J.x, J.ldx,
+                              J.xrow, nrows, n0, J.y, J.ldy);
+}
+
+// BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups)
+extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_jobs64(const GemmJob* __restrict__ jobs, int n_jobs,
+                                                                     const i32* __restrict__ n_rows) {
+    gemm_jobs_body<2, 4, 2, 2>(jobs, n_jobs, n_rows);
+}
+
+extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_jobs16(const GemmJob* __restrict__ jobs, int n_jobs,
+                                                                     const i32* __restrict__ n_rows) {
+    gemm_jobs_body<1, 2, 4, 1>(jobs, n_jobs, n_rows);
+}

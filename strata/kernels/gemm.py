@@ -1,0 +1,102 @@
+"""gemm.cu's wrappers: the job table of a batched step's matrix products (Y = X W^T over the step's rows, or the
+GLU pair), and the tile shape picked per bucket of rows.
+
+A job reads X as rows of `ldx` floats (gathered through `xrow` when given: the head's logit rows, an expert's
+tokens) and writes Y as rows of `ldy` floats. The row count is device data (`n_rows`, an int32 word), so a launch
+captured for a bucket of up to `max_rows` rows serves every smaller step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata.cuda.arena import DevArray, DevMat
+from strata.cuda.launch import I, Launch, P, need
+from strata.kernels.gemv import _check_mat
+
+BK = 128                 # gemm.cu GM_BK
+LD = BK + 4              # gemm.cu GM_LD
+THREADS = 128
+BM = 64
+# tile shapes: (kernel, BN); BN = 16 when a step has few rows (decode batches), else 64
+SHAPES = (("gemm_jobs16", 16), ("gemm_jobs64", 64))
+
+# struct GemmJob (gemm.cu), 80 bytes
+GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
+                           ("type", "<i4"), ("type2", "<i4"), ("n_in", "<i4"), ("n_out", "<i4"),
+                           ("row_bytes", "<i4"), ("row_bytes2", "<i4"), ("ldx", "<i4"), ("ldy", "<i4"),
+                           ("cta0", "<i4"), ("pad", "<i4")])
+assert GEMM_JOB_DTYPE.itemsize == 80
+
+
+@dataclass
+class GemmJob:
+    """Y[n] = w @ X[n] (or silu(w @ X[n]) * (w2 @ X[n])) for the step's rows n; X (rows, ldx), Y (rows, ldy).
+    ldx / ldy default to n_in / n_out; xrow (int32) gathers X's rows."""
+    w: DevMat
+    x: DevArray
+    y: DevArray
+    w2: DevMat | None = None
+    mat: int = 0
+    xrow: DevArray | None = None
+    ldx: int | None = None
+    ldy: int | None = None
+
+
+def shape_for(max_rows: int) -> tuple[str, int]:
+    """(kernel name, BN) for a bucket of up to max_rows rows."""
+    return SHAPES[0] if max_rows <= 16 else SHAPES[1]
+
+
+def job_table(name: str, n_jobs: int, reserve) -> DevArray:
+    return reserve(name, (n_jobs * GEMM_JOB_DTYPE.itemsize,), np.uint8)
+
+
+def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int]:
+    """(job rows, M tiles, dynamic shared bytes) of a launch over up to max_rows rows."""
+    rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
+    tiles, glu = 0, False
+    _, bn = shape_for(max_rows)
+    for i, j in enumerate(jobs):
+        what = f"{name} job {i} ({j.w.buf.name})"
+        _check_mat(j.w, what)
+        ldx, ldy = j.ldx or j.w.n_in, j.ldy or j.w.n_out
+        if ldx < j.w.n_in or ldy < j.w.n_out:
+            raise ValueError(f"{what}: row strides {ldx}/{ldy} under the matrix's {j.w.n_in}/{j.w.n_out}")
+        n_x = max_rows if j.xrow is None else None
+        if n_x is not None:
+            need(j.x, what + " x", (n_x - 1) * ldx + j.w.n_in)
+        need(j.y, what + " y", (max_rows - 1) * ldy + j.w.n_out)
+        if j.xrow is not None:
+            need(j.xrow, what + " xrow", max_rows, np.int32)
+        if not 0 <= j.mat < j.w.n_mat:
+            raise ValueError(f"{what}: matrix {j.mat} of {j.w.n_mat}")
+        r = rows[i]
+        r["w"], r["x"], r["y"] = j.w.ptr + j.mat * j.w.mat_bytes, j.x.ptr, j.y.ptr
+        r["xrow"] = 0 if j.xrow is None else j.xrow.ptr
+        r["type"], r["n_in"], r["n_out"], r["row_bytes"] = j.w.qtype, j.w.n_in, j.w.n_out, j.w.row_bytes
+        r["ldx"], r["ldy"] = ldx, ldy
+        if j.w2 is not None:
+            _check_mat(j.w2, what + " (GLU partner)")
+            if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
+                raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
+            r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
+            glu = True
+        r["cta0"] = tiles
+        tiles += -(-j.w.n_out // BM)
+    smem = ((2 if glu else 1) * BM + bn) * LD * 4
+    return rows, tiles, smem
+
+
+def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int) -> Launch:
+    """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function."""
+    need(n_rows, name + " n_rows", 1, np.int32)
+    rows, tiles, smem = gemm_plan(jobs, max_rows, name)
+    if table.nbytes < rows.nbytes:
+        raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
+    table.upload(rows.view(np.uint8))
+    kernel, bn = shape_for(max_rows)
+    return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
+                  [P(table), I(len(jobs)), P(n_rows)])
