@@ -19,4 +19,5 @@ if [ ! -f models/flash.gguf ]; then
     python3 cli.py make-model models/flash.gguf --preset flash --ple-base 2000000 --threads 16 2>&1 | tail -1 || exit 1
 fi
 python3 bench/bench_vs_llamacpp.py --model models/flash.gguf --config "$config" --skip-llama \
-    --prefill "${PREFILL:-512,4096}" --repeats "${REPEATS:-3}" 2>&1 | tee "${OUT:-/tmp}/batched_$config.log"
+    --prefill "${PREFILL:-512,4096}" --repeats "${REPEATS:-3}" --skip-strata "${SKIP:-}" 2>&1 \
+    | tee "${OUT:-/tmp}/batched_$config.log"

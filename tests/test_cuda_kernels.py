@@ -352,9 +352,9 @@ def test_gdn_core(rig, Hk, Hv, D):
         assert rel(got_conv, st.conv) <= TOL
 
 
-@pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (2, 4, 128)])
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
 def test_gdn_chunk(rig, Hk, Hv, D):
-    """gdn_conv + gdn_chunk over chunks of 5, 1 and 6 rows (the ring wraps inside and across chunks) against the
+    """gdn_conv, gdn_prep, gdn_scan and gdn_out over chunks of 5, 1 and 6 rows (the ring wraps inside and across chunks) against the
     reference's chunk path, state and conv ring included."""
     rng = np.random.default_rng(D + Hv + 1)
     cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
@@ -373,11 +373,15 @@ def test_gdn_chunk(rig, Hk, Hv, D):
     cw, dt, A, nw = (rig.buf("conv", (cd, K), value=w.ssm_conv1d), rig.buf("dt", (Hv,), value=w.ssm_dt),
                      rig.buf("A", (Hv,), value=w.ssm_a), rig.buf("norm", (D,), value=w.ssm_norm))
     ring, S, y, c = rig.buf("ring", (K, cd)), rig.buf("S", (Hv, D, D)), rig.buf("y", (Tm, vd)), rig.buf("c", (Tm, cd))
+    qn, kn, bt, eg, o = (rig.buf("qn", (Tm, Hk, D)), rig.buf("kn", (Tm, Hk, D)), rig.buf("bt", (Tm, Hv)),
+                         rig.buf("eg", (Tm, Hv)), rig.buf("o", (Tm, vd)))
     step = rig.buf("step", (STEP_N,), np.int32)
     rig.commit()
-    conv = kgdn.gdn_conv_launch(rig.k.fn("gdn", "gdn_conv"), "conv", cfg, qkv, cw, ring, c, step, Tm)
-    core = kgdn.gdn_chunk_launch(rig.k.fn("gdn", "gdn_chunk"), "chunk", cfg, c, qkv, z, al, be, dt, A, nw, ring, S,
-                                 y, step, Tm)
+    fn = lambda n: rig.k.fn("gdn", n)
+    conv = kgdn.gdn_conv_launch(fn("gdn_conv"), "conv", cfg, qkv, cw, ring, c, step, Tm)
+    core = (kgdn.gdn_prep_launch(fn("gdn_prep"), "prep", cfg, c, qkv, al, be, dt, A, qn, kn, bt, eg, ring, step, Tm),
+            kgdn.gdn_scan_launch(fn("gdn_scan"), "scan", cfg, qn, kn, c, bt, eg, S, o, step, Tm),
+            kgdn.gdn_out_launch(fn("gdn_out"), "out", cfg, o, z, nw, y, step, Tm))
     pos = 0
     for T in (5, 1, 6):
         x = rng.standard_normal((T, E)).astype(F32)
@@ -387,7 +391,7 @@ def test_gdn_chunk(rig, Hk, Hv, D):
             buf.upload(v)
         step.upload(step_words(pos=pos, tokens=(0,) * T))
         rig.poison(y)
-        rig.run(conv, core)
+        rig.run(conv, *core)
         ref = gdn_chunk(cfg, as_rows(w, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"), [(st, 0, T)], x)
         assert rel(y.download()[:T], ref) <= TOL, f"chunk at {pos}"
         assert np.isnan(y.download()[T:]).all()

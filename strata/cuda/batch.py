@@ -2,10 +2,11 @@
 pre/post split of the one-token path (strata.cuda.backend), for T up to the backend's max_step_tokens.
 
 Every matrix product is a GEMM (strata/kernels/gemm.cu: a weight tile decoded once and applied to all rows on the
-tensor cores); GDN runs the chunk with its state on chip (gdn_conv, gdn_chunk); QSA appends the chunk's keys, pools
-the blocks it completes, and each query selects and attends its own cells; the MoE groups the step's (row, choice)
-pairs by expert on the device (moe_group) and runs one grouped GEMM over every used expert's rows; the head runs
-on the step's logit rows only.
+tensor cores); GDN runs the chunk with its state on chip (gdn_conv, gdn_prep, then gdn_scan: the recurrence alone,
+a state column per 8 lanes for the whole chunk, then gdn_out); QSA appends the chunk's keys, pools the blocks it
+completes, and each query selects and attends its own cells; the MoE groups the step's (row, choice) pairs by
+expert on the device (moe_group) and runs one grouped GEMM over every used expert's rows; the head runs on the
+step's logit rows only.
 
 Graphs are captured per bucket of rows (BUCKETS up to max_step_tokens) at fixed addresses: the step's row count,
 tokens, positions and logit rows are device data (the step block), so one bucket's graphs serve every T up to it.
@@ -99,6 +100,11 @@ class BatchPath:
             self.alpha = R("b.gdn_alpha", (Tm, cfg.ssm_v_heads))
             self.beta = R("b.gdn_beta", (Tm, cfg.ssm_v_heads))
             self.y = R("b.gdn_y", (Tm, cfg.value_dim))
+            self.qn = R("b.gdn_q", (Tm, cfg.ssm_k_heads, cfg.ssm_state))
+            self.kn = R("b.gdn_k", (Tm, cfg.ssm_k_heads, cfg.ssm_state))
+            self.bt = R("b.gdn_beta_gate", (Tm, cfg.ssm_v_heads))
+            self.eg = R("b.gdn_decay", (Tm, cfg.ssm_v_heads))
+            self.o = R("b.gdn_o", (Tm, cfg.value_dim))
         if not all(cfg.recurrent):
             H, Hkv, D, Hi, Di = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.idx_heads, cfg.idx_dim
             self.ld_blocks = max(be.max_ctx // cfg.compress_ratios[i] for i in range(cfg.n_layer)
@@ -181,9 +187,15 @@ class BatchPath:
                          k(lambda rows, d=d, s=s, p=p: kgdn.gdn_conv_launch(
                              K.fn("gdn", "gdn_conv"), p + "gdn_conv", cfg, self.qkv, d["ssm_conv1d"], s["ring"],
                              self.conv, step, rows)),
-                         k(lambda rows, d=d, s=s, p=p: kgdn.gdn_chunk_launch(
-                             K.fn("gdn", "gdn_chunk"), p + "gdn_chunk", cfg, self.conv, self.qkv, self.z, self.alpha,
-                             self.beta, d["ssm_dt"], d["ssm_a"], d["ssm_norm"], s["ring"], s["S"], self.y, step,
+                         k(lambda rows, d=d, s=s, p=p: kgdn.gdn_prep_launch(
+                             K.fn("gdn", "gdn_prep"), p + "gdn_prep", cfg, self.conv, self.qkv, self.alpha,
+                             self.beta, d["ssm_dt"], d["ssm_a"], self.qn, self.kn, self.bt, self.eg, s["ring"], step,
+                             rows)),
+                         k(lambda rows, s=s, p=p: kgdn.gdn_scan_launch(
+                             K.fn("gdn", "gdn_scan"), p + "gdn_scan", cfg, self.qn, self.kn, self.conv, self.bt,
+                             self.eg, s["S"], self.o, step, rows)),
+                         k(lambda rows, d=d, p=p: kgdn.gdn_out_launch(
+                             K.fn("gdn", "gdn_out"), p + "gdn_out", cfg, self.o, self.z, d["ssm_norm"], self.y, step,
                              rows)),
                          self._gemm(p + "ssm_out", [GemmJob(d["ssm_out"], self.y, self.mix_out)])]
             else:

@@ -110,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
 //
 // gdn_conv: c[t, ch] = silu(causal conv of channel ch at row t) over every conv channel, the K-1 inputs before
 // each row from the chunk's own rows or, before the chunk, from the ring (zeros before the start). A separate
-// launch, because gdn_chunk then overwrites ring rows that other CTAs' first rows read.
+// launch, because gdn_prep then overwrites ring rows that other CTAs' first rows read.
 // qkv, c (rows, conv_dim); grid-stride over rows x conv_dim.
 extern "C" __global__ void __launch_bounds__(256) gdn_conv(const float* __restrict__ qkv, const float* __restrict__ conv_w,
                                                            const float* __restrict__ ring, float* c,
@@ -132,95 +132,118 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv(const float* __restri
     }
 }
 
-// gdn_chunk: gdn_core's steps 2-5 for the rows of the chunk in order, the state in registers from the first row
-// to the last (read and written once per chunk); then the ring takes the chunk's last K raw inputs. Same CTA and
-// thread layout as gdn_core; c (rows, conv_dim) from gdn_conv; z (rows, Hv*Dv), alpha/beta (rows, Hv) raw.
-extern "C" __global__ void __launch_bounds__(1024) gdn_chunk(
-    const float* __restrict__ c, const float* __restrict__ qkv, const float* __restrict__ z,
-    const float* __restrict__ alpha, const float* __restrict__ beta, const float* __restrict__ dt,
-    const float* __restrict__ A, const float* __restrict__ norm_w, float* ring, float* S, float* y,
-    const i32* __restrict__ step, int Hk, int Hv, int Dk, int Dv, int K, float eps) {
+// The chunk's delta rule in three launches, so the sequential part is only the state recurrence:
+// gdn_prep (grid (Hk, rows)): per row and key head, q and k L2-normalized (q also / sqrt(Dk)) -> qn, kn (rows, Hk,
+// Dk), and the gates of the value heads h = kh (mod Hk): bt = sigmoid(beta), eg = exp(A softplus(alpha + dt))
+// (rows, Hv); the ring takes the raw inputs of the chunk's last K rows (gdn_conv, which reads it, ran before).
+extern "C" __global__ void __launch_bounds__(128) gdn_prep(
+    const float* __restrict__ c, const float* __restrict__ qkv, const float* __restrict__ alpha,
+    const float* __restrict__ beta, const float* __restrict__ dt, const float* __restrict__ A, float* qn, float* kn,
+    float* bt, float* eg, float* ring, const i32* __restrict__ step, int Hk, int Hv, int Dk, int Dv, int K) {
     pdl_begin();
-    extern __shared__ float sm[];
     __shared__ float red[33];
-    float* sq = sm;
-    float* sk = sm + Dk;
-    float* sv = sm + 2 * Dk;
-    float* part = sm + 2 * Dk + Dv;
-    const int h = blockIdx.x, kh = h % Hk, kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv, vd = Hv * Dv;
-    const int T = step[STEP_T], p0 = step[STEP_POS];
-    const int tid = threadIdx.x + threadIdx.y * blockDim.x, nt = blockDim.x * blockDim.y;
-    const int v = threadIdx.x, ky = threadIdx.y;
+    const int kh = blockIdx.x, t = blockIdx.y, T = step[STEP_T], p0 = step[STEP_POS];
+    if (t >= T) return;
+    const int kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
+    const float* ct = c + (size_t)t * conv_dim;
+    float a = 0.0f, b = 0.0f;
+    for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
+        const float q = ct[kh * Dk + i], k = ct[kd + kh * Dk + i];
+        a += q * q;
+        b += k * k;
+    }
+    const float nq = 1.0f / sqrtf(block_sum(a, red) + 1e-6f);
+    const float nk = 1.0f / sqrtf(block_sum(b, red) + 1e-6f);
+    const float sd = sqrtf((float)Dk);
+    const size_t o = ((size_t)t * Hk + kh) * Dk;
+    for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
+        qn[o + i] = (ct[kh * Dk + i] * nq) / sd;
+        kn[o + i] = ct[kd + kh * Dk + i] * nk;
+    }
+    for (int h = kh + Hk * (int)threadIdx.x; h < Hv; h += Hk * blockDim.x) {
+        bt[(size_t)t * Hv + h] = sigmoidf_(beta[(size_t)t * Hv + h]);
+        eg[(size_t)t * Hv + h] = expf(A[h] * softplusf_(alpha[(size_t)t * Hv + h] + dt[h]));
+    }
+    if (t < T - K) return;
+    const float* raw = qkv + (size_t)t * conv_dim;
+    float* dst = ring + (size_t)((p0 + t) % K) * conv_dim;
+    for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
+        dst[kh * Dk + i] = raw[kh * Dk + i];
+        dst[kd + kh * Dk + i] = raw[kd + kh * Dk + i];
+    }
+    for (int h = kh; h < Hv; h += Hk)
+        for (int i = threadIdx.x; i < Dv; i += blockDim.x) dst[2 * kd + h * Dv + i] = raw[2 * kd + h * Dv + i];
+}
+
+// gdn_scan (grid (Hv, ceil(Dv / 16)), 128 threads): the recurrence over the chunk's rows in order. The columns of a
+// head's state are independent (column v sees only q, k, v[v] and its own column), so a warp owns 4 columns: lane
+// = 8 * column + g holds S[16 g .. 16 g + 15, v] in registers from the first row to the last (read and written once
+// per chunk); the sums over the state's rows are 3 xor shuffles inside the column's 8 lanes, with no barrier, so
+// the warps run the rows independently. Per row, as gdn_core: S = eg S; delta = bt (v - S^T k); S += k delta^T;
+// o = S^T q -> o (rows, Hv, Dv), normalized by gdn_out. Dk <= 128.
+extern "C" __global__ void __launch_bounds__(128) gdn_scan(
+    const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ c,
+    const float* __restrict__ bt, const float* __restrict__ eg, float* S, float* o, const i32* __restrict__ step,
+    int Hk, int Hv, int Dk, int Dv) {
+    pdl_begin();
+    const int h = blockIdx.x, kh = h % Hk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int v = blockIdx.y * 16 + warp * 4 + (lane >> 3), g = lane & 7, T = step[STEP_T];
+    const int kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
     const bool col = v < Dv;
     float* Sh = S + (size_t)h * Dk * Dv;
     float st[16];
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-        const int k = ky * 16 + i;
-        st[i] = (col && k < Dk) ? Sh[(size_t)k * Dv + v] : 0.0f;
+        const int k = g * 16 + i;
+        st[i] = col && k < Dk ? Sh[(size_t)k * Dv + v] : 0.0f;
     }
-    const float A_h = A[h], dt_h = dt[h], sd = sqrtf((float)Dk);
     for (int t = 0; t < T; t++) {
-        const float* ct = c + (size_t)t * conv_dim;
-        for (int i = tid; i < 2 * Dk + Dv; i += nt)
-            sm[i] = ct[i < Dk ? kh * Dk + i : i < 2 * Dk ? kd + kh * Dk + (i - Dk) : 2 * kd + h * Dv + (i - 2 * Dk)];
-        __syncthreads();
-        float a = 0.0f, b = 0.0f;
-        for (int i = tid; i < Dk; i += nt) {
-            a += sq[i] * sq[i];
-            b += sk[i] * sk[i];
-        }
-        const float nq = 1.0f / sqrtf(block_sum(a, red) + 1e-6f);
-        const float nk = 1.0f / sqrtf(block_sum(b, red) + 1e-6f);
-        for (int i = tid; i < Dk; i += nt) {
-            sq[i] = (sq[i] * nq) / sd;
-            sk[i] = sk[i] * nk;
-        }
-        __syncthreads();
-        const float bt = sigmoidf_(beta[(size_t)t * Hv + h]);
-        const float eg = expf(A_h * softplusf_(alpha[(size_t)t * Hv + h] + dt_h));
-        float p = 0.0f;
+        const float* kt = kn + ((size_t)t * Hk + kh) * Dk;
+        const float* qt = qn + ((size_t)t * Hk + kh) * Dk;
+        const float e = eg[(size_t)t * Hv + h], b = bt[(size_t)t * Hv + h];
+        const float vv = col ? c[(size_t)t * conv_dim + 2 * kd + h * Dv + v] : 0.0f;
+        float kr[16], p = 0.0f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            const int k = ky * 16 + i;
-            st[i] = (col && k < Dk) ? st[i] * eg : 0.0f;
-            if (k < Dk) p += st[i] * sk[k];
+            const int k = g * 16 + i;
+            kr[i] = k < Dk ? kt[k] : 0.0f;
+            st[i] *= e;
+            p += st[i] * kr[i];
         }
-        if (col) part[ky * Dv + v] = p;
-        __syncthreads();
-        float kv = 0.0f;
-        if (col)
-            for (int j = 0; j < blockDim.y; j++) kv += part[j * Dv + v];
-        const float delta = col ? (sv[v] - kv) * bt : 0.0f;
-        __syncthreads();
-        p = 0.0f;
+        p += __shfl_xor_sync(FULL_MASK, p, 1);
+        p += __shfl_xor_sync(FULL_MASK, p, 2);
+        p += __shfl_xor_sync(FULL_MASK, p, 4);
+        const float delta = (vv - p) * b;
+        float q = 0.0f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            const int k = ky * 16 + i;
-            if (col && k < Dk) {
-                st[i] = st[i] + sk[k] * delta;
-                p += st[i] * sq[k];
-            }
+            const int k = g * 16 + i;
+            st[i] = st[i] + kr[i] * delta;
+            q += st[i] * (k < Dk ? qt[k] : 0.0f);
         }
-        if (col) part[ky * Dv + v] = p;
-        __syncthreads();
-        float o = 0.0f;
-        if (col)
-            for (int j = 0; j < blockDim.y; j++) o += part[j * Dv + v];
-        const float ss = block_sum(ky == 0 && col ? o * o : 0.0f, red);
-        const float inv = 1.0f / sqrtf(ss / (float)Dv + eps);
-        if (ky == 0 && col)
-            y[(size_t)t * vd + h * Dv + v] = ((o * inv) * norm_w[v]) * sigmoidf_(z[(size_t)t * vd + h * Dv + v]);
+        q += __shfl_xor_sync(FULL_MASK, q, 1);
+        q += __shfl_xor_sync(FULL_MASK, q, 2);
+        q += __shfl_xor_sync(FULL_MASK, q, 4);
+        if (col && g == 0) o[((size_t)t * Hv + h) * Dv + v] = q;
     }
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-        const int k = ky * 16 + i;
+        const int k = g * 16 + i;
         if (col && k < Dk) Sh[(size_t)k * Dv + v] = st[i];
     }
-    // the ring keeps raw inputs of positions p0 + T - K .. p0 + T - 1 (those of the chunk)
-    for (int i = tid; i < 2 * Dk + Dv; i += nt) {
-        const int ch = i < Dk ? kh * Dk + i : i < 2 * Dk ? kd + kh * Dk + (i - Dk) : 2 * kd + h * Dv + (i - 2 * Dk);
-        if (i < 2 * Dk && h != kh) continue;
-        for (int t = max(0, T - K); t < T; t++) ring[(size_t)((p0 + t) % K) * conv_dim + ch] = qkv[(size_t)t * conv_dim + ch];
-    }
+}
+
+// gdn_out (grid (Hv, rows)): y = RMSNorm(o, ssm_norm) * sigmoid(z) per head and row (gdn_core's step 5).
+extern "C" __global__ void __launch_bounds__(128) gdn_out(const float* __restrict__ o, const float* __restrict__ z,
+                                                          const float* __restrict__ norm_w, float* y,
+                                                          const i32* __restrict__ step, int Hv, int Dv, float eps) {
+    pdl_begin();
+    __shared__ float red[33];
+    const int h = blockIdx.x, t = blockIdx.y;
+    if (t >= step[STEP_T]) return;
+    const size_t b = ((size_t)t * Hv + h) * Dv;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < Dv; i += blockDim.x) ss += o[b + i] * o[b + i];
+    const float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)Dv + eps);
+    for (int i = threadIdx.x; i < Dv; i += blockDim.x) y[b + i] = ((o[b + i] * inv) * norm_w[i]) * sigmoidf_(z[b + i]);
 }

@@ -55,20 +55,46 @@ def gdn_conv_launch(fn, name: str, cfg: ModelConfig, qkv: DevArray, conv_w: DevA
                   [P(qkv), P(conv_w), P(ring), P(c), P(step), I(cfg.conv_dim), I(K)])
 
 
-def gdn_chunk_launch(fn, name: str, cfg: ModelConfig, c: DevArray, qkv: DevArray, z: DevArray, alpha: DevArray,
-                     beta: DevArray, dt: DevArray, A: DevArray, norm_w: DevArray, ring: DevArray, S: DevArray,
-                     y: DevArray, step: DevArray, rows: int) -> Launch:
-    """The delta rule over the step's rows in order, the state on chip for the whole chunk; the ring updated."""
+def gdn_prep_launch(fn, name: str, cfg: ModelConfig, c: DevArray, qkv: DevArray, alpha: DevArray, beta: DevArray,
+                    dt: DevArray, A: DevArray, qn: DevArray, kn: DevArray, bt: DevArray, eg: DevArray, ring: DevArray,
+                    step: DevArray, rows: int) -> Launch:
+    """Per row: normalized q, k per key head and the gates per value head; the ring takes the chunk's last K raw
+    rows."""
     Hk, Hv, D, K = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv
-    for a, what, n in ((c, "conv out", cfg.conv_dim), (qkv, "qkv", cfg.conv_dim), (z, "z", cfg.value_dim),
-                       (alpha, "alpha", Hv), (beta, "beta", Hv), (y, "y", cfg.value_dim)):
+    for a, what, n in ((c, "conv out", cfg.conv_dim), (qkv, "qkv", cfg.conv_dim), (alpha, "alpha", Hv),
+                       (beta, "beta", Hv), (qn, "q", Hk * D), (kn, "k", Hk * D), (bt, "beta gate", Hv),
+                       (eg, "decay", Hv)):
         need(a, f"{name} {what}", rows * n)
-    for a, what, n in ((dt, "dt", Hv), (A, "A", Hv), (norm_w, "ssm_norm", D), (ring, "conv ring", K * cfg.conv_dim),
-                       (S, "state", Hv * D * D)):
+    for a, what, n in ((dt, "dt", Hv), (A, "A", Hv), (ring, "conv ring", K * cfg.conv_dim)):
         need(a, f"{name} {what}", n)
     need(step, name + " step", 8, np.int32)
-    bx, ky = block_shape(cfg)
-    smem = (2 * D + D + ky * D) * 4
-    return Launch(fn, name, (Hv,), (bx, ky), smem,
-                  [P(c), P(qkv), P(z), P(alpha), P(beta), P(dt), P(A), P(norm_w), P(ring), P(S), P(y), P(step),
-                   I(Hk), I(Hv), I(D), I(D), I(K), F(cfg.rms_eps)])
+    return Launch(fn, name, (Hk, rows), (128,), 0,
+                  [P(c), P(qkv), P(alpha), P(beta), P(dt), P(A), P(qn), P(kn), P(bt), P(eg), P(ring), P(step), I(Hk),
+                   I(Hv), I(D), I(D), I(K)])
+
+
+def gdn_scan_launch(fn, name: str, cfg: ModelConfig, qn: DevArray, kn: DevArray, c: DevArray, bt: DevArray,
+                    eg: DevArray, S: DevArray, o: DevArray, step: DevArray, rows: int) -> Launch:
+    """The delta rule over the step's rows in order, each state column in registers for the whole chunk."""
+    Hk, Hv, D = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
+    if D > 128:
+        raise ValueError(f"{name}: key head dim {D} > 128 (8 lanes of 16 state rows per column)")
+    for a, what, n in ((qn, "q", Hk * D), (kn, "k", Hk * D), (c, "conv out", cfg.conv_dim), (bt, "beta gate", Hv),
+                       (eg, "decay", Hv), (o, "out", cfg.value_dim)):
+        need(a, f"{name} {what}", rows * n)
+    need(S, name + " state", Hv * D * D)
+    need(step, name + " step", 8, np.int32)
+    return Launch(fn, name, (Hv, -(-D // 16)), (128,), 0,
+                  [P(qn), P(kn), P(c), P(bt), P(eg), P(S), P(o), P(step), I(Hk), I(Hv), I(D), I(D)])
+
+
+def gdn_out_launch(fn, name: str, cfg: ModelConfig, o: DevArray, z: DevArray, norm_w: DevArray, y: DevArray,
+                   step: DevArray, rows: int) -> Launch:
+    """y = RMSNorm(o) * ssm_norm * sigmoid(z) per head and row."""
+    Hv, D = cfg.ssm_v_heads, cfg.ssm_state
+    for a, what in ((o, "out"), (z, "z"), (y, "y")):
+        need(a, f"{name} {what}", rows * cfg.value_dim)
+    need(norm_w, name + " ssm_norm", D)
+    need(step, name + " step", 8, np.int32)
+    return Launch(fn, name, (Hv, rows), (128,), 0, [P(o), P(z), P(norm_w), P(y), P(step), I(Hv), I(D),
+                                                    F(cfg.rms_eps)])

@@ -17,7 +17,7 @@ struct GemmJob {
 
 // Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN)); the step's row count is device
 // data (*n_rows), so a graph captured for a bucket of rows serves every count up to it.
-template <int MT, int NT, int WM, int WN>
+template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs, int n_jobs,
                                                const i32* __restrict__ n_rows) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
@@ -29,17 +29,17 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
         if (jobs[i].cta0 <= (int)blockIdx.x) j = i;
     const GemmJob J = jobs[j];
     const int m0 = ((int)blockIdx.x - J.cta0) * BM;
-    gemm_tile<MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out, m0, J.x, J.ldx,
-                              J.xrow, nrows, n0, J.y, J.ldy);
+    gemm_tile<BK, MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out, m0, J.x,
+                                  J.ldx, J.xrow, nrows, n0, J.y, J.ldy);
 }
 
-// BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups)
-extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_jobs64(const GemmJob* __restrict__ jobs, int n_jobs,
-                                                                     const i32* __restrict__ n_rows) {
-    gemm_jobs_body<2, 4, 2, 2>(jobs, n_jobs, n_rows);
-}
-
-extern "C" __global__ void __launch_bounds__(GM_THREADS) gemm_jobs16(const GemmJob* __restrict__ jobs, int n_jobs,
-                                                                     const i32* __restrict__ n_rows) {
-    gemm_jobs_body<1, 2, 4, 1>(jobs, n_jobs, n_rows);
-}
+// BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups), each at BK 64 and 128
+#define GEMM_JOBS(NAME, BK, MT, NT, WM, WN)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS) NAME(const GemmJob* __restrict__ jobs, int n_jobs, \
+                                                                  const i32* __restrict__ n_rows) {             \
+        gemm_jobs_body<BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows);                                                \
+    }
+GEMM_JOBS(gemm_jobs16_k64, 64, 1, 2, 4, 1)
+GEMM_JOBS(gemm_jobs16_k128, 128, 1, 2, 4, 1)
+GEMM_JOBS(gemm_jobs64_k64, 64, 2, 4, 2, 2)
+GEMM_JOBS(gemm_jobs64_k128, 128, 2, 4, 2, 2)

@@ -2,7 +2,7 @@
 //
 // Y[n] = W X[n] for the n < nrows rows of a tile (X rows gathered through xrow when it is set), or
 // Y[n] = silu(W X[n]) * (W2 X[n]) (GLU). A CTA takes a tile of BM weight rows and BN step rows; per k-chunk of
-// GM_BK elements it decodes its weight rows once into shared memory as f32 (part_deq: the GEMV's decoders) and
+// BK elements it decodes its weight rows once into shared memory as f32 (part_deq: the GEMV's decoders) and
 // applies them to all BN rows with mma.sync m16n8k8 in 3xTF32: each f32 operand is split as big = tf32(v),
 // small = tf32(v - big), and big*big + big*small + small*big keep about 22 bits of every product, which is what
 // keeps the batched path within 1e-5 of the f32 GEMV (plain TF32 would be ~1e-3). Accumulation is f32 in a
@@ -11,8 +11,9 @@
 #pragma once
 #include "quant.cuh"
 
-#define GM_BK 128             // k-chunk: a whole number of every format's part groups (Q6_K's are 128)
-#define GM_LD (GM_BK + 4)     // shared row stride in floats: the fragment loads of a warp hit 32 distinct banks
+// BK, the k-chunk: a whole number of the formats' part groups: 128 for Q6_K (groups of 128), 64 for the others,
+// whose smaller tiles let more CTAs share a multiprocessor (gemm.py picks per launch). Shared rows are BK + 4
+// floats: the fragment loads of a warp then hit 32 distinct banks.
 #define GM_THREADS 128
 
 __device__ __forceinline__ u32 tf32_of(float v) {
@@ -33,15 +34,15 @@ __device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Rows [0, nrows) of a weight tile, elements [k0, k0 + GM_BK), into Ws (BM x GM_LD floats); elements past n_in
+// Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), into Ws (BM x (BK + 4) floats); elements past n_in
 // are zero. Items are (row, part) pairs: a part is wholly inside or outside a chunk for every format.
-template <class F>
+template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM) {
-    constexpr int PPT = F::NP * GM_BK / F::QK;                 // parts per row of the tile
+    constexpr int PPT = F::NP * BK / F::QK, LD = BK + 4;           // parts per row of the tile
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
     for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
         const int row = i / PPT, gp = gp0 + i % PPT, blk = gp / F::NP, p = gp % F::NP;
-        float* ob = Ws + row * GM_LD + (blk * F::QK - k0);
+        float* ob = Ws + row * LD + (blk * F::QK - k0);
         if (row < nrows && blk * F::QK < n_in) {
             part_deq<F>(w + (size_t)row * rb + (size_t)blk * F::BB, p, ob);
         } else {
@@ -53,47 +54,49 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
     }
 }
 
-template <int T>
+template <int BK, int T>
 __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM) {
-    constexpr int ES = T == T_F32 ? 4 : 2;
-    for (int i = threadIdx.x; i < BM * (GM_BK / 8); i += blockDim.x) {
-        const int row = i / (GM_BK / 8), c = i % (GM_BK / 8), k = k0 + 8 * c;
+    constexpr int ES = T == T_F32 ? 4 : 2, LD = BK + 4;
+    for (int i = threadIdx.x; i < BM * (BK / 8); i += blockDim.x) {
+        const int row = i / (BK / 8), c = i % (BK / 8), k = k0 + 8 * c;
         float v[8];
         if (row < nrows && k < n_in) float8<T>(w + (size_t)row * rb + (size_t)k * ES, v);
 #pragma unroll
-        for (int e = 0; e < 8; e++) Ws[row * GM_LD + 8 * c + e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
+        for (int e = 0; e < 8; e++) Ws[row * LD + 8 * c + e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
     }
 }
 
+template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM) {
     switch (type) {
-        case T_F32: deq_tile_f<T_F32>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_F16: deq_tile_f<T_F16>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_BF16: deq_tile_f<T_BF16>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q4_0: deq_tile_q<FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q4_1: deq_tile_q<FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q5_0: deq_tile_q<FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q5_1: deq_tile_q<FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q8_0: deq_tile_q<FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q2_0: deq_tile_q<FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q2_K: deq_tile_q<FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q3_K: deq_tile_q<FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q4_K: deq_tile_q<FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q5_K: deq_tile_q<FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q6_K: deq_tile_q<FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_IQ4_NL: deq_tile_q<FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_IQ4_XS: deq_tile_q<FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM); return;
     }
-    for (int i = threadIdx.x; i < BM * GM_LD; i += blockDim.x) Ws[i] = __int_as_float(0x7fc00000);   // unknown type
+    for (int i = threadIdx.x; i < BM * (BK + 4); i += blockDim.x) Ws[i] = __int_as_float(0x7fc00000);   // unknown type
 }
 
-// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + GM_BK), into Xs (BN x GM_LD); zeros outside.
+// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), into Xs (BN x (BK + 4)); zeros outside.
 // Rows whose stride or start is not 16-byte aligned are read a float at a time.
+template <int BK>
 __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow, int n0, int nrows, int k0, int n_in,
                                        float* Xs, int BN) {
     const bool vec = (ldx & 3) == 0 && ((unsigned long long)x & 15) == 0;     // 16-byte rows: float4 loads
-    for (int i = threadIdx.x; i < BN * (GM_BK / 4); i += blockDim.x) {
-        const int n = i / (GM_BK / 4), c = i % (GM_BK / 4), k = k0 + 4 * c;
+    for (int i = threadIdx.x; i < BN * (BK / 4); i += blockDim.x) {
+        const int n = i / (BK / 4), c = i % (BK / 4), k = k0 + 4 * c;
         float4 v;
         v.x = v.y = v.z = v.w = 0.0f;
         if (n0 + n < nrows && k < n_in) {
@@ -107,17 +110,17 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
                 v.w = k + 3 < n_in ? xp[3] : 0.0f;
             }
         }
-        *(float4*)(Xs + n * GM_LD + 4 * c) = v;
+        *(float4*)(Xs + n * (BK + 4) + 4 * c) = v;
     }
 }
 
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. Warps are WM x WN, each MT m16 tiles by NT n8 tiles.
-// Shared memory: Ws (BM), Ws2 (BM, GLU only), Xs (BN), GM_LD floats a row.
-template <int MT, int NT, int WM, int WN>
+// Shared memory: Ws (BM), Ws2 (BM, GLU only), Xs (BN), BK + 4 floats a row.
+template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
                                           int n0, float* y, int ldy) {
-    constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
+    constexpr int BM = WM * MT * 16, BN = WN * NT * 8, GM_LD = BK + 4;
     const bool glu = w2 != nullptr;
     float* Ws = (float*)SMEM;
     float* Ws2 = Ws + BM * GM_LD;
@@ -133,13 +136,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
-    for (int k0 = 0; k0 < n_in; k0 += GM_BK) {
-        deq_tile(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM);
-        if (glu) deq_tile(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM);
-        load_x(x, ldx, xrow, n0, nrows, k0, n_in, Xs, BN);
+    for (int k0 = 0; k0 < n_in; k0 += BK) {
+        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM);
+        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM);
+        load_x<BK>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, BN);
         __syncthreads();
 #pragma unroll 2
-        for (int kk = 0; kk < GM_BK; kk += 8) {
+        for (int kk = 0; kk < BK; kk += 8) {
             u32 bb[NT][2], bs[NT][2];
 #pragma unroll
             for (int j = 0; j < NT; j++) {

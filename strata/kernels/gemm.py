@@ -15,13 +15,23 @@ import numpy as np
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import I, Launch, P, need
 from strata.kernels.gemv import _check_mat
+from strata.quant.formats import QType
 
-BK = 128                 # gemm.cu GM_BK
-LD = BK + 4              # gemm.cu GM_LD
 THREADS = 128
 BM = 64
-# tile shapes: (kernel, BN); BN = 16 when a step has few rows (decode batches), else 64
+# tile shapes: (kernel prefix, BN); BN = 16 when a step has few rows (decode batches), else 64
 SHAPES = (("gemm_jobs16", 16), ("gemm_jobs64", 64))
+
+
+def chunk_k(types) -> int:
+    """The k-chunk (gemm.cuh BK) for matrices of these ggml types: 128 when one is Q6_K (its part groups are 128
+    elements), else 64 (smaller tiles, more CTAs per multiprocessor)."""
+    return 128 if any(QType(t) == QType.Q6_K for t in types) else 64
+
+
+def smem_bytes(bk: int, bn: int, glu: bool) -> int:
+    """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row."""
+    return ((2 if glu else 1) * BM + bn) * (bk + 4) * 4
 
 # struct GemmJob (gemm.cu), 80 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
@@ -55,9 +65,10 @@ def job_table(name: str, n_jobs: int, reserve) -> DevArray:
 
 
 def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int]:
-    """(job rows, M tiles, dynamic shared bytes) of a launch over up to max_rows rows."""
+    """(job rows, M tiles, dynamic shared bytes, k-chunk) of a launch over up to max_rows rows."""
     rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
     tiles, glu = 0, False
+    bk = chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
     _, bn = shape_for(max_rows)
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
@@ -86,17 +97,16 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
             glu = True
         r["cta0"] = tiles
         tiles += -(-j.w.n_out // BM)
-    smem = ((2 if glu else 1) * BM + bn) * LD * 4
-    return rows, tiles, smem
+    return rows, tiles, smem_bytes(bk, bn, glu), bk
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int) -> Launch:
     """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function."""
     need(n_rows, name + " n_rows", 1, np.int32)
-    rows, tiles, smem = gemm_plan(jobs, max_rows, name)
+    rows, tiles, smem, bk = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
     kernel, bn = shape_for(max_rows)
-    return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
+    return Launch(fn_of(f"{kernel}_k{bk}"), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
                   [P(table), I(len(jobs)), P(n_rows)])

@@ -295,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restri
 
 // h[p] = silu(gate_s x[pair_tok[p]]) * (up_s x[pair_tok[p]]) for the pairs p of tile blockIdx.y (expert slot s);
 // grid (ceil(F / 64), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp).
-template <int MT, int NT, int WM, int WN>
+template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
                                             const i32* __restrict__ n_tiles, const float* __restrict__ x,
                                             const i32* __restrict__ pair_tok, float* h) {
@@ -305,13 +305,13 @@ __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, cons
     const MoeJob J = *job;
     const i32* tq = tiles + 4 * blockIdx.y;
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
-    gemm_tile<MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
+    gemm_tile<BK, MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
                               J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * BM, x, J.E, pair_tok + p0, np_, 0,
                               h + (size_t)p0 * J.Fp, J.Fp);
 }
 
 // out[p] = down_s h[p]; grid (ceil(E / 64), max tiles). out (pairs, E).
-template <int MT, int NT, int WM, int WN>
+template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
                                               const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
     constexpr int BM = WM * MT * 16;
@@ -320,29 +320,27 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
     const MoeJob J = *job;
     const i32* tq = tiles + 4 * blockIdx.y;
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
-    gemm_tile<MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
+    gemm_tile<BK, MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
                               (int)blockIdx.x * BM, h + (size_t)p0 * J.Fp, J.Fp, nullptr, np_, 0,
                               out + (size_t)p0 * J.E, J.E);
 }
 
-extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_gu16(const MoeJob* __restrict__ job,
-        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ x,
-        const i32* __restrict__ pair_tok, float* h) {
-    moe_gu_body<1, 2, 4, 1>(job, tiles, n_tiles, x, pair_tok, h);
-}
-extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_gu64(const MoeJob* __restrict__ job,
-        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ x,
-        const i32* __restrict__ pair_tok, float* h) {
-    moe_gu_body<2, 4, 2, 2>(job, tiles, n_tiles, x, pair_tok, h);
-}
-extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_down16(const MoeJob* __restrict__ job,
-        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
-    moe_down_body<1, 2, 4, 1>(job, tiles, n_tiles, h, out);
-}
-extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_down64(const MoeJob* __restrict__ job,
-        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
-    moe_down_body<2, 4, 2, 2>(job, tiles, n_tiles, h, out);
-}
+// tiles of 16 or 64 pairs, k-chunks of 64 or 128 (gemm.cuh)
+#define MOE_GEMMS(SUF, BK, MT, NT, WM, WN)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_gu##SUF(                                        \
+        const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
+        const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h) {                               \
+        moe_gu_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, x, pair_tok, h);                                    \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_down##SUF(                                      \
+        const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
+        const float* __restrict__ h, float* out) {                                                                \
+        moe_down_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, h, out);                                          \
+    }
+MOE_GEMMS(16_k64, 64, 1, 2, 4, 1)
+MOE_GEMMS(16_k128, 128, 1, 2, 4, 1)
+MOE_GEMMS(64_k64, 64, 2, 4, 2, 2)
+MOE_GEMMS(64_k128, 128, 2, 4, 2, 2)
 
 // combine_write_rms for the step's rows: row t's out = sum_j wts[t, j] part(t, j) + sigmoid(sg[t]) shared[t], part
 // = gpu_out[pair_of[t k + j]] when that is >= 0, else host_parts[t k + j]; then gr_write and the next read's norm
