@@ -258,6 +258,11 @@ class ModelConfig:
                               f"({self.head_dim}) and the indexer head ({self.idx_dim})")
         if any(s < 0 for s in self.rope_sections):
             raise ConfigError(f"key '{p}rope.dimension_sections' = {list(self.rope_sections)} must be >= 0")
+        if sum(self.rope_sections) > self.n_rot // 2:
+            # MRoPE sections count rotary pairs; llama.cpp aborts on sections past a rotated head (the indexer's)
+            raise ConfigError(f"key '{p}rope.dimension_sections' = {list(self.rope_sections)} sums to "
+                              f"{sum(self.rope_sections)} rotary pairs, past rope.dimension_count / 2 = "
+                              f"{self.n_rot // 2}")
         if self.ssm_v_heads % self.ssm_k_heads:
             raise ConfigError(f"key '{p}ssm.time_step_rank' = {self.ssm_v_heads} is not a multiple of "
                               f"ssm.group_count = {self.ssm_k_heads}")

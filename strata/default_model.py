@@ -18,7 +18,7 @@ def cache_dir() -> Path:
 def default_model_path(log=lambda s: print(s, file=sys.stderr)) -> Path:
     """Path of the tiny default model, made (in about a second) if it is not in the cache yet."""
     from strata.model.synth import make_model
-    path = cache_dir() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v1.gguf"
+    path = cache_dir() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v2.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         log(f"making the default model ({DEFAULT_PRESET} preset, random weights) at {path}")

@@ -1,7 +1,14 @@
-"""make-model: the presets' geometry (the flash preset is the real model's), bounded-memory streaming, types."""
+"""make-model: the presets' geometry (the flash preset is the real model's), bounded-memory streaming, types; the
+default model runs in llama.cpp."""
+
+import subprocess
+import sys
+from dataclasses import replace
 
 import numpy as np
+import pytest
 
+from strata.config import ConfigError
 from strata.model.gguf_file import GGUFFile
 from strata.model.synth import CHUNK_BYTES, PRESETS, _geometry, plan, tensor_chunks
 from strata.quant import QType, dequantize, row_bytes
@@ -45,3 +52,64 @@ def test_small_realistic_mix(tmp_path):
     v = dequantize(w.data, w.qtype)
     assert np.all(np.isfinite(v)) and 0.2 / 16 < v.std() < 5 / 16
     assert "strata make-model preset=small" in gf.metadata["strata.synthetic"]
+
+
+def test_rope_sections_fit_every_preset():
+    # MRoPE sections count rotary pairs: every preset's fill its n_rot / 2 pairs in the real model's proportions
+    for name, kw in PRESETS.items():
+        cfg = _geometry(**kw)
+        assert sum(cfg.rope_sections) == cfg.n_rot // 2, name
+        assert all(s > 0 for s in cfg.rope_sections[:3]) and cfg.rope_sections[3] == 0, name
+        cfg.validate()
+    assert _geometry(**PRESETS["flash"]).rope_sections == (11, 11, 10, 0)    # Qwen3.8-Flash-Next's own
+    assert _geometry(**PRESETS["tiny"]).rope_sections == (2, 1, 1, 0)
+
+
+def test_config_refuses_sections_past_the_rotary_pairs():
+    cfg = _geometry(**PRESETS["tiny"])                                     # n_rot 8: 4 rotary pairs
+    replace(cfg, rope_sections=(4, 0, 0, 0)).validate()
+    with pytest.raises(ConfigError, match=r"key 'qwen4exp\.rope\.dimension_sections' = \[11, 11, 10, 0\] sums to "
+                                          r"32 rotary pairs, past rope\.dimension_count / 2 = 4"):
+        replace(cfg, rope_sections=(11, 11, 10, 0)).validate()
+
+
+_LLAMA_SCRIPT = """
+import sys
+import numpy as np
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+tokens = [int(t) for t in sys.argv[2].split(",")]
+llm.eval(tokens)
+np.save(sys.argv[3], np.array(llm.scores[:len(tokens)], dtype=np.float32))
+"""
+
+
+def llamacpp_logits(path, tokens: list[int], tmp_path) -> np.ndarray:
+    """llama-cpp-python's logits (n_tokens, n_vocab) of a GGUF, from a child process: ggml refuses a bad file with
+    an abort, which must fail the test, not end the run. Skips when llama_cpp is not importable."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:                                      # not installed, or its library does not load
+        pytest.skip(f"llama_cpp is not importable: {e}")
+    out = tmp_path / "llama.npy"
+    r = subprocess.run([sys.executable, "-c", _LLAMA_SCRIPT, str(path), ",".join(map(str, tokens)), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return np.load(out)
+
+
+def assert_close_to_strata(path, text: str, tmp_path) -> None:
+    """llama.cpp's logits of `text` (at most 12 tokens: within tiny's QSA budget, where llama.cpp is exact) match
+    strata's to 1e-3 of each row's largest, with the same argmax."""
+    from strata.engine import Engine
+    eng = Engine.open_sync(path)
+    tokens = eng.tokenizer.encode(text)[:12]
+    got, want = llamacpp_logits(path, tokens, tmp_path), eng.logits(tokens)
+    assert got.shape == want.shape == (len(tokens), eng.cfg.n_vocab)
+    err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() < 1e-3 and np.array_equal(got.argmax(1), want.argmax(1)), err
+
+
+def test_llamacpp_runs_the_default_model(tmp_path):
+    from strata.default_model import default_model_path
+    assert_close_to_strata(default_model_path(log=lambda s: None), "The keeper walked out to the light", tmp_path)

@@ -23,13 +23,18 @@ KEY_KINDS: dict[str, Any] = {
     _K.MODEL: "str", _K.PRE: "str", _K.LIST: ["str"], _K.MERGES: ["str"], _K.TOKEN_TYPE: ["int"],
     _K.EOS_ID: "int", _K.BOS_ID: "int", _K.PAD_ID: "int", _K.UNK_ID: "int", _K.SEP_ID: "int",
     _K.MASK_ID: "int", _K.ADD_BOS: "bool", _K.ADD_EOS: "bool", _K.CHAT_TEMPLATE: "str",
+    # make-model's records (strata.model.synth): read by inspect and bench/calibrate_routing.py, never by the forward
+    "strata.synthetic": "str", "strata.routing": "str", "strata.routing.skew": "float",
+    "strata.routing.lru_capacity": "float", "strata.routing.lru_hit_rate": "float",
+    "strata.routing.calibration": "str",
 }
 _IS = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
+    "float": lambda v: isinstance(v, float),
 }
-_NAME = {"int": "an integer", "bool": "a boolean", "str": "a string"}
+_NAME = {"int": "an integer", "bool": "a boolean", "str": "a string", "float": "a float"}
 
 SCAN_ELEMENTS = 1 << 22        # values dequantized at a time by scan_finite: 16 MB of float32
 
