@@ -619,6 +619,43 @@ class CudaBackend:
         self.seq = _Seq(dump)
         return self.seq
 
+    def _seq_arrays(self, pos: int) -> list[DevArray]:
+        """The device state of a sequence at position pos: the recurrent state (GDN rings and states, the PLE conv
+        history) and the first pos cells of every QSA cache (and the pos // ratio complete blocks' keys)."""
+        out = list(self.state)
+        for il, s in self.S.items():
+            if "Kc" not in s:
+                continue
+            nb = pos // self.cfg.compress_ratios[il]
+            for key, n in (("Kc", pos), ("Vc", pos), ("idx_raw", pos), ("idx_blk", nb)):
+                a = s[key]
+                if n:
+                    out.append(a.view("prefix", 0, (n, *a.shape[1:]), a.dtype))
+        return out
+
+    @_guarded
+    def snapshot(self, seq: _Seq) -> tuple[tuple[int, list[np.ndarray]], int]:
+        """A host copy of seq's state between steps (prefix reuse, strata.host.prefix) and its bytes."""
+        self._check_seq(seq, "snapshot", "idle")
+        self.stream.synchronize("snapshot")
+        arrays = [a.download() for a in self._seq_arrays(seq.pos)]
+        return (seq.pos, arrays), sum(a.nbytes for a in arrays)
+
+    @_guarded
+    def restore(self, snap: tuple[int, list[np.ndarray]]) -> _Seq:
+        """A new live sequence holding a snapshot's state (what new_seq and feeding its tokens would give)."""
+        if self.seq is not None and self.seq.live:
+            raise BackendError("restore: a sequence is already live; the CUDA backend runs one at a time "
+                               "(free_seq it first)")
+        pos, arrays = snap
+        if pos > self.max_ctx:
+            raise BackendError(f"restore: a snapshot at position {pos}, past max_ctx {self.max_ctx}")
+        self.stream.synchronize("restore")
+        for a, v in zip(self._seq_arrays(pos), arrays, strict=True):
+            a.upload(v)
+        self.seq = _Seq(None, pos=pos)
+        return self.seq
+
     @_guarded
     def free_seq(self, seq: _Seq) -> None:
         if seq is self.seq:
