@@ -258,24 +258,53 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_attn(const float* __restr
         qr[j] = d < D ? q[(size_t)h * D + d] : 0.0f;
         acc[j] = 0.0f;
     }
+    // four cells a round: their dot products' shuffle sums are independent chains the warp overlaps (one cell a
+    // round waited on five dependent shuffles per cell), then one online-softmax update for the four
     float m = -F_INF, l = 0.0f;
-    for (int i = i0; i < i1; i++) {
-        const int c = i < nsc ? sel[i / ratio] * ratio + i % ratio : nb * ratio + (i - nsc);
-        const float* kp = Kc + ((size_t)c * Hkv + kvh) * D;
-        const float* vp = Vc + ((size_t)c * Hkv + kvh) * D;
-        float dot = 0.0f;
+    for (int i = i0; i < i1; i += 4) {
+        float s4[4];
+        const float* vp[4];
 #pragma unroll
-        for (int j = 0; j < QSA_MAXD / 32; j++) {
-            const int d = lane + 32 * j;
-            if (d < D) dot += qr[j] * kp[d];
+        for (int u = 0; u < 4; u++) {
+            const int iu = min(i + u, i1 - 1);      // past the end: the last cell again, its weight zeroed below
+            const int c = iu < nsc ? sel[iu / ratio] * ratio + iu % ratio : nb * ratio + (iu - nsc);
+            const float* kp = Kc + ((size_t)c * Hkv + kvh) * D;
+            vp[u] = Vc + ((size_t)c * Hkv + kvh) * D;
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < QSA_MAXD / 32; j++) {
+                const int d = lane + 32 * j;
+                if (d < D) dot += qr[j] * kp[d];
+            }
+            s4[u] = dot;
         }
-        const float s = warp_sum(dot) / sd;
-        const float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
-        l = l * corr + p;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int u = 0; u < 4; u++) s4[u] += __shfl_xor_sync(FULL_MASK, s4[u], o);
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            s4[u] = i + u < i1 ? s4[u] / sd : -F_INF;
+            mn = fmaxf(mn, s4[u]);
+        }
+        const float corr = expf(m - mn);
+        float p4[4];
+        l = l * corr;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            p4[u] = expf(s4[u] - mn);
+            l += p4[u];
+        }
 #pragma unroll
         for (int j = 0; j < QSA_MAXD / 32; j++) {
             const int d = lane + 32 * j;
-            if (d < D) acc[j] = acc[j] * corr + p * vp[d];
+            if (d < D) {
+                float a = acc[j] * corr;
+#pragma unroll
+                for (int u = 0; u < 4; u++) a += p4[u] * vp[u][d];
+                acc[j] = a;
+            }
         }
         m = mn;
     }
