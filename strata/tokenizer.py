@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import functools
 import heapq
+import json
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -254,6 +255,144 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+# ---- a transformers tokenizer.json (byte-level BPE) -> GGUF metadata ----
+
+# HF writes the contraction group case-insensitively; llama.cpp (and _PRE_TYPES) spell out each case.
+_HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+# The regex of HF's ByteLevel pre-tokenizer (use_regex: GPT-2's). llama.cpp's gpt-2 entry lacks the final
+# "|\s+", which changes no split: what that alternative matches is a piece of its own either way.
+_HF_BYTE_LEVEL_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_NO_OP_NORMALIZERS = (None, "NFC")      # NFC: ignored, as llama.cpp's converter and loader ignore it
+
+
+def _kind(obj: Any) -> str | None:
+    return obj.get("type") if isinstance(obj, dict) else None
+
+
+def _hf_pre_name(pt: Any) -> str:
+    """The GGUF `tokenizer.ggml.pre` whose regexes split text as the tokenizer.json pre_tokenizer `pt` does."""
+    if pt is None:
+        raise TokenizerError("there is no pre_tokenizer: not a byte-level BPE tokenizer (ByteLevel expected)")
+    steps = (pt.get("pretokenizers") or []) if _kind(pt) == "Sequence" else [pt]
+    regexes: list[str] = []
+    for i, step in enumerate(steps):
+        kind = _kind(step)
+        if kind == "Split" and i < len(steps) - 1:
+            regex = (step.get("pattern") or {}).get("Regex")
+            if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
+                raise TokenizerError(f"pre_tokenizer step {i} is {json.dumps(step)[:200]}: strata maps only a "
+                                     f"Split on a Regex with behavior Isolated")
+            regex = regex.replace(_HF_CONTRACTIONS, _LLAMA_CONTRACTIONS)
+            regexes.append(_PRE_TYPES["gpt-2"].regexes[0] if regex == _HF_BYTE_LEVEL_REGEX else regex)
+        elif kind == "ByteLevel" and i == len(steps) - 1:
+            if step.get("add_prefix_space"):
+                raise TokenizerError("the ByteLevel pre_tokenizer has add_prefix_space: GGUF's gpt2 tokenizer "
+                                     "model (llama.cpp, strata) adds no prefix space")
+            if step.get("use_regex", True):
+                regexes.append(_PRE_TYPES["gpt-2"].regexes[0])
+        elif kind == "ByteLevel":
+            raise TokenizerError(f"pre_tokenizer step {i} is ByteLevel but not the last step: not mappable")
+        else:
+            raise TokenizerError(f"pre_tokenizer {'step ' + str(i) + ' ' if len(steps) > 1 else ''}is "
+                                 f"{kind or json.dumps(step)[:100]!r}: not a byte-level BPE pre-tokenizer (strata "
+                                 f"maps Split(Regex) steps ending in ByteLevel)")
+    if not steps or _kind(steps[-1]) != "ByteLevel":
+        raise TokenizerError("the pre_tokenizer does not end in ByteLevel: not a byte-level BPE tokenizer")
+    for name, pre in _PRE_TYPES.items():
+        if pre.regexes == tuple(regexes):
+            return name
+    raise TokenizerError(f"the pre_tokenizer splits by the regexes {regexes}, which are no GGUF "
+                         f"tokenizer.ggml.pre's; strata (like llama.cpp) splits as {', '.join(_PRE_TYPES)} only")
+
+
+def _special_id(value: Any, ids: Mapping[str, int]) -> int | None:
+    """The id of a tokenizer_config token entry ("<|x|>" or {"content": "<|x|>", ...}), None when unset."""
+    text = value.get("content") if isinstance(value, dict) else value
+    return ids.get(text) if isinstance(text, str) else None
+
+
+def from_hf_tokenizer_json(tj: Mapping[str, Any], n_vocab: int, eos_id: int | None = None,
+                           tokenizer_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """GGUF tokenizer metadata of a transformers tokenizer.json: BPE with a ByteLevel pre-tokenizer (plain, or
+    after Split regexes that one of _PRE_TYPES names) and decoder, merges as "a b" strings or [a, b] lists,
+    added_tokens as CONTROL (special) or USER_DEFINED; padded with UNUSED "[PADi]" to the model's n_vocab, as
+    llama.cpp's converter pads. `eos_id` (the model config's) wins over tokenizer_config's eos_token.
+    TokenizerError names what cannot be mapped."""
+    cfg = tokenizer_config or {}
+    model = tj.get("model")
+    if _kind(model) != "BPE":
+        raise TokenizerError(f"model type is {_kind(model)!r}: strata maps byte-level BPE only (\"BPE\")")
+    for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(key):
+            raise TokenizerError(f"the BPE model sets {key} = {model[key]!r}, which GGUF's gpt2 tokenizer model "
+                                 f"cannot express")
+    normalizer = tj.get("normalizer")
+    if _kind(normalizer) == "Sequence" and not normalizer.get("normalizers"):
+        normalizer = None
+    if _kind(normalizer) not in _NO_OP_NORMALIZERS:
+        raise TokenizerError(f"normalizer {json.dumps(normalizer)[:200]} changes the text before it is split; "
+                             f"GGUF's gpt2 tokenizer model applies none (NFC alone is accepted and not applied)")
+    decoder = tj.get("decoder")
+    if decoder is not None and _kind(decoder) != "ByteLevel":
+        raise TokenizerError(f"decoder is {_kind(decoder) or json.dumps(decoder)[:100]!r}: not byte-level "
+                             f"(ByteLevel expected)")
+    pre_name = _hf_pre_name(tj.get("pre_tokenizer"))
+    if bool(model.get("ignore_merges", False)) != _PRE_TYPES[pre_name].ignore_merges:
+        raise TokenizerError(f"the BPE model has ignore_merges = {bool(model.get('ignore_merges'))}, but "
+                             f"GGUF's {pre_name!r} pre-tokenizer implies {_PRE_TYPES[pre_name].ignore_merges}")
+
+    tokens: list[str | None] = [None] * n_vocab
+    types = [int(TokenType.NORMAL)] * n_vocab
+    added = {}
+    for k, a in enumerate(tj.get("added_tokens") or []):
+        if not (isinstance(a, dict) and isinstance(a.get("id"), int) and isinstance(a.get("content"), str)):
+            raise TokenizerError(f"added_tokens[{k}] = {json.dumps(a)[:100]} has no integer id and string content")
+        if not 0 <= a["id"] < n_vocab:
+            raise TokenizerError(f"added token {a['content']!r} has id {a['id']}, outside the model's vocab_size "
+                                 f"{n_vocab}")
+        added[a["id"]] = a
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        raise TokenizerError("the BPE model has no vocab object")
+    for text, i in vocab.items():
+        if not isinstance(i, int) or not 0 <= i < n_vocab:
+            raise TokenizerError(f"vocab token {text!r} has id {i!r}, outside the model's vocab_size {n_vocab}")
+        if tokens[i] is not None:
+            raise TokenizerError(f"vocab tokens {tokens[i]!r} and {text!r} both have id {i}")
+        bad = next((c for c in text if c not in _CHAR_TO_BYTE), None)
+        if bad is not None and i not in added:
+            raise TokenizerError(f"vocab token {text!r} (id {i}) is not byte-level: {bad!r} (U+{ord(bad):04X}) is "
+                                 f"not one of GPT-2's 256 byte characters")
+        tokens[i] = text
+    for i, a in added.items():
+        tokens[i] = a["content"]
+        types[i] = int(TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED)
+    for i, t in enumerate(tokens):
+        if t is None:
+            tokens[i], types[i] = f"[PAD{i}]", int(TokenType.UNUSED)
+
+    merges = []
+    for rank, m in enumerate(model.get("merges") or []):
+        pair = m.split(" ") if isinstance(m, str) else m        # the legacy "a b" form or the [a, b] form
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) and p for p in pair)):
+            raise TokenizerError(f"merges[{rank}] = {m!r} is neither \"left right\" nor [left, right]")
+        if " " in pair[0] or " " in pair[1]:
+            raise TokenizerError(f"merges[{rank}] = {m!r} holds a space, which GGUF's \"left right\" form cannot")
+        merges.append(f"{pair[0]} {pair[1]}")
+
+    ids = {t: i for i, t in enumerate(tokens)}
+    meta: dict[str, Any] = {_K.MODEL: "gpt2", _K.PRE: pre_name, _K.LIST: tokens, _K.TOKEN_TYPE: types,
+                            _K.MERGES: merges, _K.ADD_BOS: bool(cfg.get("add_bos_token") is True)}
+    eos = eos_id if eos_id is not None else _special_id(cfg.get("eos_token"), ids)
+    for key, value in ((_K.EOS_ID, eos), (_K.BOS_ID, _special_id(cfg.get("bos_token"), ids)),
+                       (_K.PAD_ID, _special_id(cfg.get("pad_token"), ids))):
+        if value is not None:
+            meta[key] = int(value)
+    Tokenizer.from_metadata(meta)          # what strata (and llama.cpp) would refuse at load is refused now
+    return meta
 
 
 # ---- a small real vocabulary for synthetic models ----

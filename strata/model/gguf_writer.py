@@ -74,6 +74,9 @@ class GGUFStreamWriter:
         self._keys.add(key)
         self._kv.append(_string(key) + struct.pack("<I", vtype) + _value(vtype, value, sub))
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
     def add_tensor(self, name: str, shape: Sequence[int], qtype: QType, source: TensorSource) -> None:
         """`shape` is ggml order (row length first). An array source is checked against it now."""
         shape = tuple(int(d) for d in shape)
@@ -90,7 +93,8 @@ class GGUFStreamWriter:
         return (n + self.alignment - 1) // self.alignment * self.alignment
 
     def write(self, progress: Callable[[str, int, int], None] | None = None) -> int:
-        """Write everything; `progress(name, bytes_done, bytes_total)` after each tensor. Returns the file size."""
+        """Write everything; `progress(name, bytes_done, bytes_total)` after each chunk of tensor data (so a
+        tensor of many GB still shows movement), bytes_done == bytes_total once. Returns the file size."""
         infos, offset = [], 0
         for t in self._tensors:
             infos.append(_string(t.name) + struct.pack("<I", len(t.shape))
@@ -101,22 +105,35 @@ class GGUFStreamWriter:
         head = header + b"".join(self._kv) + b"".join(infos)
         tmp = self.path + ".partial"
         done = 0
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(b"\0" * (self._pad(len(head)) - len(head)))
-            for t in self._tensors:
-                written = 0
-                chunks = [t.source] if isinstance(t.source, np.ndarray) else t.source()
-                for chunk in chunks:
-                    mv = memoryview(np.ascontiguousarray(chunk) if isinstance(chunk, np.ndarray) else chunk).cast("B")
-                    f.write(mv)
-                    written += mv.nbytes
-                if written != t.nbytes:
-                    raise ValueError(f"tensor '{t.name}': its source produced {written} bytes, expected {t.nbytes}")
-                f.write(b"\0" * (self._pad(written) - written))
-                done += t.nbytes
-                if progress:
-                    progress(t.name, done, total)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(b"\0" * (self._pad(len(head)) - len(head)))
+                for t in self._tensors:
+                    written = 0
+                    chunks = [t.source] if isinstance(t.source, np.ndarray) else t.source()
+                    for chunk in chunks:
+                        if isinstance(chunk, np.ndarray):
+                            chunk = np.ascontiguousarray(chunk)
+                        mv = memoryview(chunk).cast("B")
+                        f.write(mv)
+                        written += mv.nbytes
+                        if written > t.nbytes:
+                            break
+                        if progress and written < t.nbytes:
+                            progress(t.name, done + written, total)
+                    if written != t.nbytes:
+                        raise ValueError(f"tensor '{t.name}': its source produced {written} bytes, "
+                                         f"expected {t.nbytes}")
+                    f.write(b"\0" * (self._pad(written) - written))
+                    done = self._pad(done + t.nbytes)
+                    if progress:
+                        progress(t.name, done, total)
+        except BaseException:
+            # a failed or interrupted write leaves no partial file behind (it can be hundreds of GB)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         # the file appears under its name only when complete, so a crash never leaves a plausible truncated model
         os.replace(tmp, self.path)
         return os.path.getsize(self.path)

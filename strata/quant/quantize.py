@@ -2,9 +2,9 @@
 
 F16, BF16, Q8_0, Q4_0 and Q5_0 repeat gguf-py's vectorized quantizers operation for operation, so their
 bytes equal `gguf.quants.quantize`'s. Q2_0 is ggml's quantize_row_q2_0_ref (gguf has no Q2_0). Q4_K,
-Q6_K, IQ4_NL and IQ4_XS are numba transcriptions of ggml's reference quantizers without importance
-weights (quantize_row_q4_K_ref, quantize_row_q6_K_ref, quantize_iq4_nl / quantize_iq4_xs with
-quant_weights = NULL, i.e. llama-quantize without an imatrix, ntry = 7).
+Q5_K, Q6_K, IQ4_NL and IQ4_XS are numba transcriptions of ggml's reference quantizers without importance
+weights (quantize_row_q4_K_ref, quantize_row_q5_K_ref, quantize_row_q6_K_ref, quantize_iq4_nl /
+quantize_iq4_xs with quant_weights = NULL, i.e. llama-quantize without an imatrix, ntry = 7).
 """
 
 from __future__ import annotations
@@ -210,6 +210,68 @@ def _q4_k(x, y):
 
 
 @njit(**_JIT)
+def _q5_k(x, y):
+    """x: f32 (nb, 256) -> y: uint8 (nb, 176): quantize_row_q5_K_ref, _q4_k's scheme with 5-bit codes."""
+    L = np.empty(QK_K, np.int64)
+    Laux = np.empty(32, np.int64)
+    w = np.empty(32, np.float32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    for i in range(x.shape[0]):
+        xb = x[i]
+        y[i, :] = 0
+        max_scale = f32(0.0)
+        max_min = f32(0.0)
+        for j in range(8):
+            s2 = f32(0.0)
+            for l in range(32):
+                s2 += xb[32 * j + l] * xb[32 * j + l]
+            av = np.sqrt(s2 / f32(32.0))
+            for l in range(32):
+                w[l] = av + abs(xb[32 * j + l])
+            scales[j], mins[j] = _make_qkx2(xb[32 * j:32 * j + 32], w, L[32 * j:32 * j + 32], Laux, 31,
+                                            f32(-0.5), f32(0.1), 15)
+            max_scale = max(max_scale, scales[j])
+            max_min = max(max_min, mins[j])
+        inv_scale = f32(63.0) / max_scale if max_scale > 0 else f32(0.0)
+        inv_min = f32(63.0) / max_min if max_min > 0 else f32(0.0)
+        for j in range(8):
+            ls = min(63, _nearest_int(inv_scale * scales[j]) & 255)
+            lm = min(63, _nearest_int(inv_min * mins[j]) & 255)
+            if j < 4:
+                y[i, 4 + j] = ls
+                y[i, 8 + j] = lm
+            else:
+                y[i, 8 + j] = (ls & 15) | ((lm & 15) << 4)
+                y[i, j] |= (ls >> 4) << 6
+                y[i, 4 + j] |= (lm >> 4) << 6
+        d, dmin = _store_f16(y[i, 0:4], max_scale / f32(63.0), max_min / f32(63.0))
+        for j in range(8):
+            if j < 4:
+                sc = y[i, 4 + j] & 63
+                m = y[i, 8 + j] & 63
+            else:
+                sc = (y[i, 8 + j] & 15) | ((y[i, j] >> 6) << 4)
+                m = (y[i, 8 + j] >> 4) | ((y[i, 4 + j] >> 6) << 4)
+            dl = d * f32(sc)
+            if dl == 0:
+                continue
+            dm = dmin * f32(m)
+            for l in range(32):
+                L[32 * j + l] = max(0, min(31, _nearest_int((xb[32 * j + l] + dm) / dl)))
+        for c in range(4):                           # qh bit 2c (low half) / 2c+1 (high half): the code's bit 4
+            for l in range(32):
+                lo, hi = L[64 * c + l], L[64 * c + 32 + l]
+                if lo > 15:
+                    lo -= 16
+                    y[i, 16 + l] |= 1 << (2 * c)
+                if hi > 15:
+                    hi -= 16
+                    y[i, 16 + l] |= 2 << (2 * c)
+                y[i, 48 + 32 * c + l] = lo | (hi << 4)
+
+
+@njit(**_JIT)
 def _make_qx(x, L, nmax):
     """make_qx_quants(rmse_type=1, qw=NULL) -> scale; L gets codes + nmax."""
     n = x.shape[0]
@@ -412,6 +474,7 @@ _BLOCK_QUANTIZERS = {
     QType.Q5_0: _q5_0,
     QType.Q2_0: _q2_0,
     QType.Q4_K: _numba(_q4_k, 144),
+    QType.Q5_K: _numba(_q5_k, 176),
     QType.Q6_K: _numba(_q6_k, 210),
     QType.IQ4_NL: _numba(_iq4_nl, 18, KVALUES_IQ4NL),
     QType.IQ4_XS: _numba(_iq4_xs, 136, KVALUES_IQ4NL),
