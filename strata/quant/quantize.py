@@ -155,6 +155,51 @@ def _make_qkx2(x, w, L, Laux, nmax, rmin, rdelta, nstep):
 
 
 @njit(**_JIT)
+def _k_scales_codes(xb, yb, L, Laux, w, scales, mins, nmax, rmin, nstep):
+    """The Q4_K / Q5_K block body (quantize_row_q4_K_ref / q5_K_ref): 8 sub-blocks of 32, each a (scale, min) by
+    make_qkx2, those as 6-bit codes with d, dmin into yb[0:16], then every element's code (0 .. nmax) into L."""
+    max_scale = f32(0.0)
+    max_min = f32(0.0)
+    for j in range(8):
+        s2 = f32(0.0)
+        for l in range(32):
+            s2 += xb[32 * j + l] * xb[32 * j + l]
+        av = np.sqrt(s2 / f32(32.0))
+        for l in range(32):
+            w[l] = av + abs(xb[32 * j + l])
+        scales[j], mins[j] = _make_qkx2(xb[32 * j:32 * j + 32], w, L[32 * j:32 * j + 32], Laux, nmax, rmin,
+                                        f32(0.1), nstep)
+        max_scale = max(max_scale, scales[j])
+        max_min = max(max_min, mins[j])
+    inv_scale = f32(63.0) / max_scale if max_scale > 0 else f32(0.0)
+    inv_min = f32(63.0) / max_min if max_min > 0 else f32(0.0)
+    for j in range(8):
+        ls = min(63, _nearest_int(inv_scale * scales[j]) & 255)
+        lm = min(63, _nearest_int(inv_min * mins[j]) & 255)
+        if j < 4:
+            yb[4 + j] = ls
+            yb[8 + j] = lm
+        else:
+            yb[8 + j] = (ls & 15) | ((lm & 15) << 4)
+            yb[j] |= (ls >> 4) << 6
+            yb[4 + j] |= (lm >> 4) << 6
+    d, dmin = _store_f16(yb[0:4], max_scale / f32(63.0), max_min / f32(63.0))
+    for j in range(8):
+        if j < 4:
+            sc = yb[4 + j] & 63
+            m = yb[8 + j] & 63
+        else:
+            sc = (yb[8 + j] & 15) | ((yb[j] >> 6) << 4)
+            m = (yb[8 + j] >> 4) | ((yb[4 + j] >> 6) << 4)
+        dl = d * f32(sc)
+        if dl == 0:
+            continue
+        dm = dmin * f32(m)
+        for l in range(32):
+            L[32 * j + l] = max(0, min(nmax, _nearest_int((xb[32 * j + l] + dm) / dl)))
+
+
+@njit(**_JIT)
 def _q4_k(x, y):
     """x: f32 (nb, 256) -> y: uint8 (nb, 144)."""
     L = np.empty(QK_K, np.int64)
@@ -163,47 +208,8 @@ def _q4_k(x, y):
     scales = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
     for i in range(x.shape[0]):
-        xb = x[i]
         y[i, :] = 0
-        max_scale = f32(0.0)
-        max_min = f32(0.0)
-        for j in range(8):
-            s2 = f32(0.0)
-            for l in range(32):
-                s2 += xb[32 * j + l] * xb[32 * j + l]
-            av = np.sqrt(s2 / f32(32.0))
-            for l in range(32):
-                w[l] = av + abs(xb[32 * j + l])
-            scales[j], mins[j] = _make_qkx2(xb[32 * j:32 * j + 32], w, L[32 * j:32 * j + 32], Laux, 15,
-                                            f32(-1.0), f32(0.1), 20)
-            max_scale = max(max_scale, scales[j])
-            max_min = max(max_min, mins[j])
-        inv_scale = f32(63.0) / max_scale if max_scale > 0 else f32(0.0)
-        inv_min = f32(63.0) / max_min if max_min > 0 else f32(0.0)
-        for j in range(8):
-            ls = min(63, _nearest_int(inv_scale * scales[j]) & 255)
-            lm = min(63, _nearest_int(inv_min * mins[j]) & 255)
-            if j < 4:
-                y[i, 4 + j] = ls
-                y[i, 8 + j] = lm
-            else:
-                y[i, 8 + j] = (ls & 15) | ((lm & 15) << 4)
-                y[i, j] |= (ls >> 4) << 6
-                y[i, 4 + j] |= (lm >> 4) << 6
-        d, dmin = _store_f16(y[i, 0:4], max_scale / f32(63.0), max_min / f32(63.0))
-        for j in range(8):
-            if j < 4:
-                sc = y[i, 4 + j] & 63
-                m = y[i, 8 + j] & 63
-            else:
-                sc = (y[i, 8 + j] & 15) | ((y[i, j] >> 6) << 4)
-                m = (y[i, 8 + j] >> 4) | ((y[i, 4 + j] >> 6) << 4)
-            dl = d * f32(sc)
-            if dl == 0:
-                continue
-            dm = dmin * f32(m)
-            for l in range(32):
-                L[32 * j + l] = max(0, min(15, _nearest_int((xb[32 * j + l] + dm) / dl)))
+        _k_scales_codes(x[i], y[i], L, Laux, w, scales, mins, 15, f32(-1.0), 20)
         for c in range(4):
             for l in range(32):
                 y[i, 16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + 32 + l] << 4)
@@ -218,47 +224,8 @@ def _q5_k(x, y):
     scales = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
     for i in range(x.shape[0]):
-        xb = x[i]
         y[i, :] = 0
-        max_scale = f32(0.0)
-        max_min = f32(0.0)
-        for j in range(8):
-            s2 = f32(0.0)
-            for l in range(32):
-                s2 += xb[32 * j + l] * xb[32 * j + l]
-            av = np.sqrt(s2 / f32(32.0))
-            for l in range(32):
-                w[l] = av + abs(xb[32 * j + l])
-            scales[j], mins[j] = _make_qkx2(xb[32 * j:32 * j + 32], w, L[32 * j:32 * j + 32], Laux, 31,
-                                            f32(-0.5), f32(0.1), 15)
-            max_scale = max(max_scale, scales[j])
-            max_min = max(max_min, mins[j])
-        inv_scale = f32(63.0) / max_scale if max_scale > 0 else f32(0.0)
-        inv_min = f32(63.0) / max_min if max_min > 0 else f32(0.0)
-        for j in range(8):
-            ls = min(63, _nearest_int(inv_scale * scales[j]) & 255)
-            lm = min(63, _nearest_int(inv_min * mins[j]) & 255)
-            if j < 4:
-                y[i, 4 + j] = ls
-                y[i, 8 + j] = lm
-            else:
-                y[i, 8 + j] = (ls & 15) | ((lm & 15) << 4)
-                y[i, j] |= (ls >> 4) << 6
-                y[i, 4 + j] |= (lm >> 4) << 6
-        d, dmin = _store_f16(y[i, 0:4], max_scale / f32(63.0), max_min / f32(63.0))
-        for j in range(8):
-            if j < 4:
-                sc = y[i, 4 + j] & 63
-                m = y[i, 8 + j] & 63
-            else:
-                sc = (y[i, 8 + j] & 15) | ((y[i, j] >> 6) << 4)
-                m = (y[i, 8 + j] >> 4) | ((y[i, 4 + j] >> 6) << 4)
-            dl = d * f32(sc)
-            if dl == 0:
-                continue
-            dm = dmin * f32(m)
-            for l in range(32):
-                L[32 * j + l] = max(0, min(31, _nearest_int((xb[32 * j + l] + dm) / dl)))
+        _k_scales_codes(x[i], y[i], L, Laux, w, scales, mins, 31, f32(-0.5), 15)
         for c in range(4):                           # qh bit 2c (low half) / 2c+1 (high half): the code's bit 4
             for l in range(32):
                 lo, hi = L[64 * c + l], L[64 * c + 32 + l]
