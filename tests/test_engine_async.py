@@ -253,6 +253,23 @@ def test_expert_placement_choice(tiny_gguf, monkeypatch):
     assert picked == ["host", "host", "vram"]
 
 
+def test_cpu_expert_placement_choice(tiny_gguf):
+    """On the cpu backend 'auto' computes the experts from the mapping (they fit half the RAM) unless a host budget
+    smaller than them asks for the store; 'vram' (every expert on the device) is the mapping too."""
+    from strata.engine import make_backend
+    model = load_model(tiny_gguf)
+    need = sum(t.nbytes for n, t in model.file.tensors.items() if "_exps." in n)
+    cases = [(HostConfig(), "mapped"), (HostConfig(host_budget_bytes=need), "mapped"),
+             (HostConfig(host_budget_bytes=need - 1), "host"), (HostConfig(experts="host"), "host"),
+             (HostConfig(experts="vram"), "mapped")]
+    for host, want in cases:
+        be = make_backend("cpu", model, host)
+        assert be.experts == want, host
+        be.close()
+    with pytest.raises(ValueError, match="HostConfig.experts='everywhere'"):
+        make_backend("cpu", model, HostConfig(experts="everywhere"))
+
+
 @pytest.mark.asyncio
 async def test_preload_experts_fills_the_store(tiny_gguf):
     e = await Engine.open(tiny_gguf)

@@ -15,6 +15,7 @@ import pytest
 from strata.host.experts import CpuExpertPool, ExpertBlob, ExpertSlice
 from strata.model.weights import Mat
 from strata.quant import QType, random_blocks, row_bytes
+import strata.quant.experts as qe
 from strata.quant.experts import batched, expert_batch, max_threads
 from strata.reference.moe import expert_ffn
 
@@ -46,14 +47,30 @@ def reference(wt, wd, E, F, n, gate, up, down, x, ids, exact):
 
 @pytest.mark.parametrize("case,exact", [("q2_0-q8_0", False), ("q2_0-q8_0", True), ("q2_0-real", False),
                                         ("q4_k-iq4_xs", False), ("q5_1-iq2_xxs", False)])
-def test_batch_equals_reference(case, exact):
+def test_batch_equals_reference(case, exact, monkeypatch):
     wt, wd, E, F, n, gate, up, down, x = make(case)
     ids = np.array([n - 1, 0, n - 1, 1][:n + 1], np.int32)          # out of order, one expert twice
     want = reference(wt, wd, E, F, n, gate, up, down, x, ids, exact)
+    monkeypatch.setattr(qe, "SERIAL_BYTES", 0)                      # threads whatever the size
     for threads in (1, max_threads()):
         out = np.full((len(ids), E), np.nan, np.float32)              # every row must be written
         expert_batch(gate, up, down, ids, x, out, wt_gu=wt, wt_d=wd, exact=exact, n_threads=threads)
         assert np.array_equal(out, want), f"{case} exact={exact} threads={threads}"
+
+
+@pytest.mark.parametrize("case", ["q2_0-q8_0", "q4_k-iq4_xs"])
+def test_tokens_batch_equals_one_token_batches(case):
+    """ids (T, k) with x (T, E): every token's experts in one batch (shared experts grouped) equal each token's own
+    batch, and T = 0 is an empty result."""
+    wt, wd, E, F, n, gate, up, down, _ = make(case, seed=5)
+    rng = np.random.default_rng(6)
+    X = rng.standard_normal((4, E)).astype(np.float32)
+    ids = np.array([[0, 2], [2, 1], [n - 1, 0], [1, 2]], np.int32)   # (T, k): experts shared across tokens
+    got = np.full((4, 2, E), np.nan, np.float32)
+    assert expert_batch(gate, up, down, ids, X, got, wt_gu=wt, wt_d=wd) is got
+    for t in range(4):
+        assert np.array_equal(got[t], expert_batch(gate, up, down, ids[t], X[t], wt_gu=wt, wt_d=wd)), f"token {t}"
+    assert expert_batch(gate, up, down, ids[:0], X[:0], wt_gu=wt, wt_d=wd).shape == (0, 2, E)
 
 
 def test_fused_gate_up_views_and_edge_cases():

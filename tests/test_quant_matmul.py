@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import strata.quant.experts as qe
 import strata.quant.matmul as mm
 from strata.quant import QType, block_size, matvec, random_blocks
 from strata.quant.experts import expert_batch_at, expert_batch_rows
@@ -66,6 +67,18 @@ def test_f32_rows_do_not_depend_on_t(exact, monkeypatch):
         assert np.array_equal(got[t], matmul(wf, QType.F32, x[t:t + 1], exact)[0])
 
 
+def test_bf16_rounding_is_bf16_round_bits():
+    """The compiled rounding of x for BF16 weights is quantize.bf16_round_bits bit for bit: NaNs made quiet
+    (signalling and negative ones too), infinities and signed zeros kept, ties to even, overflow to infinity."""
+    from strata.quant.quantize import bf16_round_bits
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 500)) * 10.0 ** rng.integers(-40, 39, (3, 500))).astype(np.float32)
+    x.view(np.uint32)[0, :10] = [0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F800000, 0xFF800000, 0, 0x80000000,
+                                 0x7F7FFFFF, 0x3F808000, 0x3F818000]   # NaNs, inf, zeros, max, ties down and up
+    want = bf16_round_bits(x).astype(np.uint32) << 16
+    assert np.array_equal(mm._bf16_round(x).view(np.uint32), want)
+
+
 def test_matmul_errors():
     w, x = inputs(QType.Q8_0, 3)
     assert matmul(w, QType.Q8_0, x[:0]).shape == (0, ROWS)
@@ -99,8 +112,9 @@ ROWS_OF_X = np.array([0, 2, 3, 4, 1, 4, 0, 1])                     # (P,): x's r
 
 @pytest.mark.parametrize("offsets", [[0, 4, 5, 8], [0, 5, 5, 8]], ids=["4-1-3", "5-0-3"])
 @pytest.mark.parametrize("case", list(EXPERT_CASES))
-def test_expert_rows_equal_one_token_batches(case, offsets):
+def test_expert_rows_equal_one_token_batches(case, offsets, monkeypatch):
     wt, wd, e, f, weights, addr, x = experts(case)
+    monkeypatch.setattr(qe, "SERIAL_BYTES", 0)                      # two threads whatever the size
     want = np.empty((len(ROWS_OF_X), e), np.float32)
     for j in range(3):
         for p in range(offsets[j], offsets[j + 1]):

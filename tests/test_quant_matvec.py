@@ -11,6 +11,7 @@ import pytest
 
 from strata.quant import (ACT_TYPE, QType, activation_values, block_size, dequantize, matvec, matvec_parallel,
                           matvec_prepared, prepare_activation, random_blocks, split_rows)
+from strata.quant.formats import readonly
 
 QUANT_WEIGHTS = [t for t in QType if t not in (QType.F32, QType.F16, QType.BF16, QType.Q8_1, QType.Q8_K)]
 FLOAT_WEIGHTS = [QType.F32, QType.F16, QType.BF16]
@@ -181,6 +182,10 @@ def test_float_weights_accept_typed_and_raw():
     typed = {QType.F32: wf, QType.F16: wf.astype(np.float16), QType.BF16: (wf.view(np.uint32) >> 16).astype(np.uint16)}
     for qt, arr in typed.items():
         assert np.array_equal(matvec(arr, qt, x), matvec(arr.view(np.uint8), qt, x))
+        # read-only bytes, as a GGUF mapping gives them (a memmap, or a plain view): the kernel sees the float type
+        ro = readonly(arr.view(np.uint8))
+        assert np.array_equal(matvec(arr, qt, x), matvec(ro, qt, x))
+        assert np.array_equal(matvec(arr, qt, x), matvec(ro.view(np.memmap), qt, x))
 
 
 def test_mismatches_are_rejected():

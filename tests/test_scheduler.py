@@ -92,7 +92,11 @@ class CellsOnCpu(VramOnCpu):
 class WholeOnCpu(CpuBackend):
     """The CPU twin of CudaBackend(experts="vram"): every expert resident, a step is one job (the whole-step
     graph) fed the PLE rows the scheduler read; no per-layer round trip may happen."""
-    experts, graphs = "vram", True
+    graphs = True
+
+    def __init__(self, model):
+        super().__init__(model, experts="mapped")
+        self.experts = "vram"                # what the scheduler's whole-step path looks for
 
     def resident(self, layer, experts):
         return np.ones(len(experts), bool)
@@ -142,6 +146,23 @@ async def test_loop_logits_equal_teacher_forced(mix, exact, tiny_gguf, realistic
         assert sched.store.reads > 0 and sched.cache.hit_rate() == 0.0   # every expert went through the pool
     finally:
         await sched.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mix,exact", [("f32", False), ("realistic", False), ("realistic", True)])
+async def test_mapped_experts_keep_parity(mix, exact, tiny_gguf, realistic_gguf):
+    """CpuBackend(experts="mapped") computes every routed expert itself from the mapped file: the logits equal the
+    teacher-forced reference's exactly, and the host reads no expert and runs none on its pool."""
+    path = tiny_gguf if mix == "f32" else realistic_gguf
+    model = load_model(path, exact=exact)
+    sched = Scheduler(model, CpuBackend(model, experts="mapped"), exact=exact)
+    try:
+        await assert_parity(sched, Engine.open_sync(path, exact=exact), TOKENS)
+        assert sched.store.reads == 0 and sched.cache.hit_rate() == 1.0
+    finally:
+        await sched.aclose()
+    with pytest.raises(ValueError, match="experts='vram'"):
+        CpuBackend(model, experts="vram")
 
 
 @pytest.mark.asyncio

@@ -176,14 +176,20 @@ class CpuBackend:
     """The numpy reference as a device: its stages run in launch order on one worker thread (a stream); the future
     of a stage is its doorbell.
 
-    No expert is resident: every routed expert is the host's work, which is the CPU twin of an empty VRAM cache.
+    experts="host": no expert is resident: every routed expert is the host's work (the scheduler's CPU pool over its
+    expert store), the CPU twin of an empty VRAM cache. experts="mapped": every expert is resident: post computes
+    the layer's routed experts itself from the mapped file, in one compiled batch (the CPU twin of
+    CudaBackend(experts="vram")), so a layer's experts cost no host work and no hand-off to the pool.
     """
 
     name = "cpu"
     max_seqs = None
     max_step_tokens = None
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, experts: str = "host"):
+        if experts not in ("host", "mapped"):
+            raise ValueError(f"CpuBackend experts={experts!r}: choose 'host' or 'mapped'")
+        self.experts = experts
         self.cfg = model.cfg
         self.ref = RefModel(model.weights)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-device")
@@ -273,6 +279,9 @@ class CpuBackend:
     def _post(self, layer: int, parts: np.ndarray) -> None:
         self.R = self.ref.post(self.batch, layer, self.pre, parts)
 
+    def _post_mapped(self, layer: int) -> None:
+        self._post(layer, self.ref.experts(layer, self.pre.x, self.pre.ids))
+
     def launch_pre(self, layer: int) -> None:
         if layer != self.layer + 1 or layer != self.routed + 1:
             raise BackendError(f"launch_pre({layer}) after layer {self.layer}")
@@ -292,7 +301,7 @@ class CpuBackend:
         return Route(p.x, p.ids, p.weights)
 
     def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        return np.zeros(len(experts), bool)
+        return np.full(len(experts), self.experts == "mapped")
 
     def expert_slots(self) -> int:
         return 0
@@ -312,9 +321,14 @@ class CpuBackend:
 
     def launch_post(self, plan: ExpertPlan) -> None:
         self.check_plan(plan)
-        if plan.resident.any():
-            raise BackendError("the cpu backend holds no experts")
-        self._run(self._post, plan.layer, plan.parts)
+        if self.experts == "host" and plan.resident.any():
+            raise BackendError("the cpu backend holds no experts (experts='host')")
+        if self.experts == "mapped":
+            if not plan.resident.all():
+                raise BackendError("launch_post: the plan leaves experts to the host; every one is resident here")
+            self._run(self._post_mapped, plan.layer)
+        else:
+            self._run(self._post, plan.layer, plan.parts)
 
     def launch_head(self) -> None:
         def head():

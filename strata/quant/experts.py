@@ -24,7 +24,7 @@ Threads: numba's threading layer as numba picks it (NUMBA_THREADING_LAYER, else 
 is installed, else omp when the OS has libgomp.so.1, else workqueue; a plain `pip install numba` on Linux
 gives omp wherever the OS ships libgomp, workqueue elsewhere). workqueue aborts the process on concurrent
 launches, so every launch here holds one process-wide lock: safe from any thread under all three. The thread
-count (numba.set_num_threads, a per-thread setting) is set under that lock on every call. Work is handed out
+count (numba.set_num_threads, a per-thread setting) is set under that lock when it changes. Work is handed out
 in small items that each thread claims in turn, so a thread that starts late does not hold up the call.
 
 omp is GNU OpenMP, whose idle workers by default spin ~300,000 pauses (~10 ms) after every parallel region,
@@ -70,8 +70,18 @@ _JIT = dict(nogil=True, cache=True, fastmath=False)
 _PARALLEL = ParallelOptions({"comprehension": False, "reduction": False, "inplace_binop": False, "setitem": False,
                              "numpy": False, "stencil": False, "fusion": False, "prange": True})
 ITEM_BYTES = 32 << 10               # weight bytes of one work item (per matrix): ~4 us of kernel on one core
+SERIAL_BYTES = 2 << 20              # below this many weight bytes through the kernels (pairs x expert), one thread
 _LAUNCH = threading.Lock()          # one parallel launch at a time (workqueue is not thread-safe)
+_THREADS = threading.local()        # .n: the thread count this thread last gave numba
 f32 = np.float32
+
+
+def _use_threads(nt: int) -> None:
+    """numba.set_num_threads(nt) (a per-thread setting), skipped when this thread set nt last: the call costs ~2 us,
+    and most launches use the count the one before them did. Call under _LAUNCH."""
+    if getattr(_THREADS, "n", 0) != nt:
+        numba.set_num_threads(nt)
+        _THREADS.n = nt
 
 
 # ---- memory by address ----------------------------------------------------------------------------------------
@@ -437,7 +447,8 @@ def expert_batch_at(addr: np.ndarray, x: np.ndarray, out: np.ndarray, f: int, *,
     addr: uint64 (k, 3), the addresses of expert j's gate rows and up rows (each uint8 (F, row_bytes(wt_gu, E)),
     C-contiguous) and down rows (uint8 (E, row_bytes(wt_d, F))): the caller keeps that memory alive and
     unchanged until this returns. x: float32 (E,); out: float32 (k, E) C-contiguous; quantized types only
-    (batched()). n_threads: default max_threads(). The GIL is released while the phases run.
+    (batched()). n_threads: at most that many (default max_threads()), one below SERIAL_BYTES of work. The GIL is
+    released while the phases run.
     """
     x = np.ascontiguousarray(x, F32).reshape(1, -1)
     k = addr.shape[0]
@@ -481,10 +492,13 @@ def expert_batch_rows(addr: np.ndarray, x: np.ndarray, offsets: np.ndarray, rows
     if n_p == 0:
         return out
     gu = np.empty((2, n_p, f), F32)                            # (2, P, F): gate, up outputs; h into gu[0]
-    nt = max(1, min(n_threads or max_threads(), max_threads()))
+    # a decode step's few experts run on one thread: a parallel call costs ~50-100 us of wake-up on the 2-vCPU VM,
+    # and its barrier waits out a worker the host has descheduled
+    work = n_p * (2 * f * rb_gu + e * rb_d)
+    nt = 1 if work < SERIAL_BYTES else max(1, min(n_threads or max_threads(), max_threads()))
     gate_up, down = _phases(wt_gu, exact)[0], _phases(wt_d, exact)[1]
     with _LAUNCH:
-        numba.set_num_threads(nt)
+        _use_threads(nt)
         gate_up(rb_gu, addr, x, offsets, rows, gu, _rows_per_item(f, rb_gu, m, nt), F16_TO_F32,
                 _ops(wt_gu, exact).tables, nt)
         h = _swiglu(gu[0], gu[1])
@@ -515,25 +529,37 @@ def _per_expert(w: np.ndarray, n_expert: int, what: str) -> np.ndarray:
 def expert_batch(gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, ids: np.ndarray, x: np.ndarray,
                  out: np.ndarray | None = None, *, wt_gu: int, wt_d: int, exact: bool = False,
                  n_threads: int | None = None) -> np.ndarray:
-    """out[j] = expert ids[j] of one layer on x: down @ (silu(gate @ x) * (up @ x)), all k in one batch.
+    """out[j] = expert ids[j] of one layer on x: down @ (silu(gate @ x) * (up @ x)), all k in one batch; or, with
+    ids (T, k) and x (T, E), out[t, j] = expert ids[t, j] on x[t]: every token's experts in one batch, each distinct
+    expert's weights read once for all the tokens routed to it.
 
     gate_w, up_w: uint8 (n_expert * F, row_bytes) (a GGUF tensor's rows) or (n_expert, F, row_bytes) (e.g. the
     halves of a fused gate|up tensor, each expert's rows C-contiguous); down_w: (n_expert * E, row_bytes) or
-    (n_expert, E, row_bytes); ids: (k,) experts; x: float32 (E,); out: float32 (k, E), allocated when None.
-    Float types (F32 also as the float32 arrays Mat holds) go expert by expert. Returns out.
+    (n_expert, E, row_bytes); ids: (k,) or (T, k) experts; x: float32 (E,) or (T, E); out: float32 (k, E) or
+    (T, k, E), allocated when None. Float types (F32 also as the float32 arrays Mat holds) go expert by expert.
+    Returns out.
     """
     wt_gu, wt_d = qtype(wt_gu), qtype(wt_d)
-    x = np.ascontiguousarray(x, F32).reshape(-1)
-    e = x.shape[0]
-    ids = np.asarray(ids).reshape(-1).astype(np.int64)
-    out = np.empty((ids.shape[0], e), F32) if out is None else out
+    one = np.ndim(x) == 1
+    x = np.ascontiguousarray(x, F32).reshape(1, -1) if one else np.ascontiguousarray(x, F32)
+    t_rows, e = x.shape
+    ids = np.asarray(ids).astype(np.int64).reshape(1, -1) if one else np.asarray(ids).astype(np.int64)  # (T, k)
+    if ids.ndim != 2 or ids.shape[0] != t_rows:
+        raise ValueError(f"ids must be (k,) with x (E,) or (T, k) with x (T, E), got {ids.shape} and {x.shape}")
+    k = ids.shape[1]
+    shape = (k, e) if one else (t_rows, k, e)
+    if out is None:
+        out = np.empty(shape, F32)
+    elif out.shape != shape or out.dtype != F32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be float32 {shape} C-contiguous, got {out.dtype} {out.shape}")
     n_expert = down_w.shape[0] if down_w.ndim == 3 else down_w.shape[0] // e
     gate, up, down = (_per_expert(w, n_expert, n) for w, n in ((gate_w, "gate_w"), (up_w, "up_w"), (down_w, "down_w")))
     if ids.size and not (ids.min() >= 0 and ids.max() < n_expert):
         raise ValueError(f"expert ids must lie in [0, {n_expert}), got {ids.min()}..{ids.max()}")
+    flat_out = out.reshape(t_rows * k, e)
     if not batched(wt_gu, wt_d):
-        for j, i in enumerate(ids):
-            out[j] = expert_one(gate[i], up[i], down[i], x, wt_gu=wt_gu, wt_d=wt_d, exact=exact)
+        for p, i in enumerate(ids.reshape(-1)):
+            flat_out[p] = expert_one(gate[i], up[i], down[i], x[p // k], wt_gu=wt_gu, wt_d=wt_d, exact=exact)
         return out
     f = gate.shape[1]
     for w, rows, rb, what in ((gate, f, row_bytes(wt_gu, e), "gate_w"), (up, f, row_bytes(wt_gu, e), "up_w"),
@@ -541,7 +567,16 @@ def expert_batch(gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, ids: 
         if w.dtype != np.uint8 or w.shape[1:] != (rows, rb) or w.strides[1:] != (rb, 1):
             raise ValueError(f"{what}: want uint8 experts of ({rows}, {rb}) C-contiguous rows, "
                              f"got {w.dtype} {w.shape} strides {w.strides}")
+    # P = T * k pairs grouped by expert: experts[u] serves the flat pairs[offsets[u]:offsets[u + 1]], in row order
+    flat = ids.reshape(-1)
+    pairs = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[pairs], return_index=True)
+    offsets = np.append(starts, flat.size).astype(np.int64)
     base = np.array([w.__array_interface__["data"][0] for w in (gate, up, down)], np.int64)
     step = np.array([w.strides[0] for w in (gate, up, down)], np.int64)
-    addr = (base + ids[:, None] * step).view(np.uint64)        # (k, 3)
-    return expert_batch_at(addr, x, out, f, wt_gu=wt_gu, wt_d=wt_d, exact=exact, n_threads=n_threads)
+    addr = (base + experts[:, None] * step).view(np.uint64)    # (U, 3)
+    grouped = np.empty((flat.size, e), F32)                    # (P, E) in the pairs' order
+    expert_batch_rows(addr, x, offsets, pairs // k, grouped, f, wt_gu=wt_gu, wt_d=wt_d, exact=exact,
+                      n_threads=n_threads)
+    flat_out[pairs] = grouped
+    return out

@@ -49,21 +49,23 @@ _EXACT_CHUNK_BYTES = 1 << 18    # float32 scratch per exact-mode step
 
 
 def _weights(w: np.ndarray, wt: QType, n: int) -> np.ndarray:
-    """w as the 2-D C-contiguous read-only array the kernels take; ValueError when it does not hold rows of n."""
-    if (type(w) is np.ndarray and w.dtype == np.uint8 and w.ndim == 2 and not w.flags.writeable
-            and w.flags.c_contiguous and w.shape[1] == row_bytes(wt, n)):
-        return w                                   # already as the kernels want it (a GGUF mapping view)
+    """w as the 2-D C-contiguous read-only array the kernels take (a plain ndarray: a memmap subclass would cost the
+    kernel dispatch a slow type check); ValueError when it does not hold rows of n."""
+    want = _FLOAT_DTYPE.get(wt, np.uint8)
+    if (isinstance(w, np.ndarray) and w.ndim == 2 and not w.flags.writeable and w.flags.c_contiguous
+            and w.dtype in (want, np.uint8) and w.shape[1] * w.itemsize == row_bytes(wt, n)):
+        # already as the kernels want it (a GGUF mapping view), maybe as bytes of a float type
+        return w if type(w) is np.ndarray and w.dtype == want else w.view(want, np.ndarray)
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"weights must be 2-D (rows, row_bytes), got shape {w.shape}")
     if wt in FLOAT_TYPES:
-        dt = _FLOAT_DTYPE[wt]
         if w.dtype == np.float16 and wt == QType.F16:
             w = w.view(np.uint16)
         elif w.dtype == np.uint8:
-            w = np.ascontiguousarray(w).view(dt)
-        elif w.dtype != dt:
-            raise ValueError(f"{wt.name} weights must be uint8 bytes or {np.dtype(dt).name}, got {w.dtype}")
+            w = np.ascontiguousarray(w).view(want)
+        elif w.dtype != want:
+            raise ValueError(f"{wt.name} weights must be uint8 bytes or {np.dtype(want).name}, got {w.dtype}")
     elif w.dtype != np.uint8:
         raise ValueError(f"{wt.name} weights must be uint8 bytes, got {w.dtype}")
     if w.shape[1] * w.itemsize != row_bytes(wt, n):

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata.quant.dequant import dequantize_rows
+from strata.quant.formats import QType
+
 F32 = np.float32
+
+
+def table_rows(m, rows: np.ndarray) -> np.ndarray:
+    """Rows `rows` (n,) of a Mat dequantized, (n, n_in) float32: Mat.row for a whole step's lookups in one call."""
+    m._check()
+    raw = m.raw.view(np.uint8) if m.qtype == QType.F32 else m.raw
+    return dequantize_rows(raw, m.qtype, rows).reshape(len(rows), m.n_in).astype(F32)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:

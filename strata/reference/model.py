@@ -19,10 +19,10 @@ import numpy as np
 
 from strata.config import ModelConfig
 from strata.model.weights import Weights
-from strata.reference.common import F32, rope_inv_freq
+from strata.reference.common import F32, rope_inv_freq, table_rows
 from strata.reference.gdn import GdnState, gdn_chunk
 from strata.reference.hc import gr_read, gr_write
-from strata.reference.moe import combine, expert_ffn, group_by_expert, route, shared_expert
+from strata.reference.moe import combine, route, routed_experts, shared_expert
 from strata.reference.ple import NgramWindow, PleState, ple_block, ple_gather, ple_rows
 from strata.reference.qsa import QsaState, qsa_chunk
 
@@ -150,7 +150,7 @@ class RefModel:
         bad = (b.tokens < 0) | (b.tokens >= self.cfg.n_vocab)
         if bad.any():
             raise ValueError(f"token id {int(b.tokens[bad][0])} is outside the vocabulary [0, {self.cfg.n_vocab})")
-        e = np.stack([self.w.token_embd.row(int(t)) for t in b.tokens]).astype(F32)     # (T, E)
+        e = table_rows(self.w.token_embd, b.tokens)                                     # (T, E)
         self._put(b, -1, "embed", e)
         return np.repeat(e[:, None, :], self.cfg.hc, axis=1)
 
@@ -181,14 +181,7 @@ class RefModel:
 
     def experts(self, il: int, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The routed experts' outputs (T, k, E) in the order of ids (T, k), each expert once over its rows."""
-        w = self.w.layers[il]
-        T, k = ids.shape
-        parts = np.empty((T * k, x.shape[1]), F32)
-        experts, offsets, pairs = group_by_expert(ids)
-        for u, e in enumerate(experts):
-            p = pairs[offsets[u]:offsets[u + 1]]
-            parts[p] = expert_ffn(*w.expert(int(e)), x[p // k])
-        return parts.reshape(T, k, -1)
+        return routed_experts(self.w.layers[il], x, ids)
 
     def post(self, b: Batch, il: int, p: PreOut, parts: np.ndarray) -> np.ndarray:
         w = self.w.layers[il]

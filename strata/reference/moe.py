@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from strata.config import ModelConfig
+from strata.quant.experts import batched, expert_batch
 from strata.reference.common import F32, sigmoid, silu, softmax
 
 
@@ -34,6 +35,29 @@ def group_by_expert(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
 def expert_ffn(gate, up, down, x: np.ndarray) -> np.ndarray:
     """One SwiGLU expert on rows x (n, E) (or one row (E,)): down @ (silu(gate @ x) * (up @ x))."""
     return down @ (silu(gate @ x) * (up @ x)).astype(F32)
+
+
+def routed_experts(w, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """x (T, E), ids (T, k) -> the routed experts' outputs (T, k, E) in the order of ids, each distinct expert once
+    over all its rows: for the quantized types one compiled batch over the stacked tensors (strata.quant.experts),
+    else expert_ffn expert by expert. Either way bit for bit expert_ffn on each row alone."""
+    T, k = ids.shape
+    gate, up, down = ((w.ffn_gate_up_exps, w.ffn_gate_up_exps, w.ffn_down_exps) if w.ffn_gate_up_exps is not None
+                      else (w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps))
+    if gate.qtype == up.qtype and batched(gate.qtype, down.qtype):
+        for m in {id(m): m for m in (gate, up, down)}.values():
+            m._check()                                   # the mapped file is unchanged: its rows are read below
+        stack = [m.raw.reshape(m.n_mat, m.n_out, -1) for m in (gate, up, down)]   # (n_expert, rows, row_bytes)
+        if w.ffn_gate_up_exps is not None:               # the fused tensor's halves
+            half = gate.n_out // 2
+            stack[0], stack[1] = stack[0][:, :half], stack[0][:, half:]
+        return expert_batch(*stack, ids, x, wt_gu=gate.qtype, wt_d=down.qtype, exact=down.exact)
+    parts = np.empty((T * k, x.shape[1]), F32)
+    experts, offsets, pairs = group_by_expert(ids)
+    for u, e in enumerate(experts):
+        p = pairs[offsets[u]:offsets[u + 1]]
+        parts[p] = expert_ffn(*w.expert(int(e)), x[p // k])
+    return parts.reshape(T, k, -1)
 
 
 def shared_expert(w, x: np.ndarray) -> np.ndarray:

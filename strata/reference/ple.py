@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata.config import ModelConfig
-from strata.reference.common import F32, rms_norm, sigmoid, silu
+from strata.reference.common import F32, rms_norm, sigmoid, silu, table_rows
 
 
 @dataclass
@@ -77,7 +77,7 @@ def ple_gather(w_table, rows: np.ndarray) -> np.ndarray:
     """The gathered vectors e (n, ple_dim) of rows (n, heads): each head's row, dequantized, in head order."""
     n, heads = rows.shape
     uniq, inv = np.unique(rows.reshape(-1), return_inverse=True)
-    vals = np.stack([w_table.row(int(r)) for r in uniq]).astype(F32)         # (U, row)
+    vals = table_rows(w_table, uniq)                                         # (U, row)
     return vals[inv].reshape(n, heads * vals.shape[1])
 
 

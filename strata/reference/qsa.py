@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from strata.config import ModelConfig
-from strata.reference.common import F32, rms_norm, rope, sigmoid, softmax
-
-GATHER_BYTES = 64 << 20        # gathered K and V of the queries attended at once
+from strata.reference.common import F32, rms_norm, rope, sigmoid
 
 
 class _Rows:
@@ -73,9 +72,9 @@ def block_scores(cfg: ModelConfig, iq: np.ndarray, blocks: np.ndarray) -> np.nda
     return np.maximum(iq @ blocks.T, 0).sum(axis=1, dtype=F32) / F32(np.sqrt(cfg.idx_dim))
 
 
-def _cells(cfg: ModelConfig, il: int, st: QsaState, t: np.ndarray, iq: np.ndarray | None) \
-        -> tuple[np.ndarray, np.ndarray]:
-    """The cells each query at positions t (n,) attends: (cells (n, C) int64, valid (n, C) bool)."""
+def _cells(cfg: ModelConfig, il: int, segs, t: np.ndarray, iq: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The cells each of the step's queries at positions t (T,) attends, each in its own sequence (segs as in
+    qsa_chunk): (cells (T, C) int64, valid (T, C) bool). One select_blocks call for every query past the budget."""
     r, topk = cfg.compress_ratios[il], cfg.block_topk(il)
     C = cfg.idx_budget + r - 1
     slot = np.arange(C)
@@ -84,34 +83,61 @@ def _cells(cfg: ModelConfig, il: int, st: QsaState, t: np.ndarray, iq: np.ndarra
     nb = (t + 1) // r                                        # complete blocks at each query
     sel = np.flatnonzero(nb > topk)
     if sel.size:
-        blocks = st.idx_blocks.view()[:int(nb[sel].max())]   # (B, Di)
-        scores = block_scores(cfg, iq[sel], blocks)          # (m, B)
-        scores[np.arange(blocks.shape[0])[None, :] >= nb[sel, None]] = -1.0    # not complete yet at that query
+        # scores (m, B) of each selecting query against its own sequence's blocks; a block not complete yet at
+        # that query (or past its sequence's blocks) scores -1, below every relu score
+        scores = np.full((sel.size, int(nb[sel].max())), -1.0, F32)
+        cut = np.searchsorted(sel, [a for _, a, _ in segs] + [len(t)])
+        for (st, _, _), i0, i1 in zip(segs, cut[:-1], cut[1:]):
+            if i1 > i0:
+                blocks = st.idx_blocks.view()[:int(nb[sel[i1 - 1]])]     # (B, Di): its last query sees the most
+                scores[i0:i1, :len(blocks)] = block_scores(cfg, iq[sel[i0:i1]], blocks)
+        scores[np.arange(scores.shape[1])[None, :] >= nb[sel, None]] = -1.0
         chosen = select_blocks(scores, topk)                                  # (m, topk)
         c_blk = (chosen[:, :, None] * r + np.arange(r)).reshape(len(sel), topk * r)
         tail = np.arange(r - 1)
         c_tail = nb[sel, None] * r + tail                                     # (m, r-1)
-        cells[sel] = np.concatenate([c_blk, np.where(tail < (t[sel, None] + 1 - nb[sel, None] * r), c_tail, 0)], 1)
-        valid[sel] = np.concatenate([np.ones_like(c_blk, bool), tail < (t[sel, None] + 1 - nb[sel, None] * r)], 1)
+        in_tail = tail < (t[sel, None] + 1 - nb[sel, None] * r)
+        cells[sel] = np.concatenate([c_blk, np.where(in_tail, c_tail, 0)], 1)
+        valid[sel] = np.concatenate([np.ones_like(c_blk, bool), in_tail], 1)
     return cells, valid
 
 
-def _attend(cfg: ModelConfig, st: QsaState, q: np.ndarray, cells: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """q (n, H, D) over its cells -> (n, H, D); GQA: consecutive query heads share a kv head."""
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def attend(K, V, q, cells, valid, out):
+    """out[i] = softmax(q[i] . K[c] / sqrt(D)) V[c] over the valid cells c = cells[i, j], per head, in float64 (the
+    sums' order is then immaterial at float32); GQA: query head h reads kv head h // (H / Hkv). K, V (cells, Hkv, D);
+    q, out (n, H, D); cells, valid (n, C). A row's arithmetic depends on its own cells only, never on n."""
     n, H, D = q.shape
-    Hkv = cfg.n_head_kv
-    Kc, Vc = st.k.view(), st.v.view()
-    out = np.empty_like(q)
-    per = max(1, GATHER_BYTES // (2 * cells.shape[1] * Hkv * D * 4))
-    for a in range(0, n, per):
-        b = min(n, a + per)
-        K = Kc[cells[a:b]].transpose(0, 2, 3, 1)             # (m, Hkv, D, C)
-        V = Vc[cells[a:b]].transpose(0, 2, 1, 3)             # (m, Hkv, C, D)
-        qh = q[a:b].reshape(b - a, Hkv, H // Hkv, D)
-        s = (qh @ K) / F32(np.sqrt(D))                       # (m, Hkv, G, C)
-        s[~np.broadcast_to(valid[a:b, None, None, :], s.shape)] = -np.inf
-        out[a:b] = (softmax(s) @ V).reshape(b - a, H, D)
-    return out
+    G = H // K.shape[1]
+    C = cells.shape[1]
+    sq = np.sqrt(np.float64(D))
+    s = np.empty(C, np.float64)
+    acc = np.empty(D, np.float64)
+    for i in range(n):
+        for h in range(H):
+            g = h // G
+            top = -np.inf
+            for j in range(C):
+                if valid[i, j]:
+                    c = cells[i, j]
+                    dot = 0.0
+                    for d in range(D):
+                        dot += np.float64(q[i, h, d]) * np.float64(K[c, g, d])
+                    s[j] = dot / sq
+                    top = max(top, s[j])
+            tot = 0.0
+            for j in range(C):
+                if valid[i, j]:
+                    s[j] = np.exp(s[j] - top)
+                    tot += s[j]
+            acc[:] = 0.0
+            for j in range(C):
+                if valid[i, j]:
+                    c, p = cells[i, j], s[j] / tot
+                    for d in range(D):
+                        acc[d] += p * np.float64(V[c, g, d])
+            for d in range(D):
+                out[i, h, d] = np.float32(acc[d])
 
 
 def qsa_chunk(cfg: ModelConfig, il: int, w, segs, x: np.ndarray, pos: np.ndarray,
@@ -142,6 +168,7 @@ def qsa_chunk(cfg: ModelConfig, il: int, w, segs, x: np.ndarray, pos: np.ndarray
             pooled = np.mean(st.idx_raw.view()[b0 * r:b1 * r].reshape(b1 - b0, r, Di), axis=1, dtype=F32)
             keys = rope(rms_norm(pooled, w.indexer_k_norm, eps)[:, None, :], np.arange(b0, b1) * r, inv_freq)
             st.idx_blocks.extend(keys[:, 0])
-        cells, valid = _cells(cfg, il, st, pos[a:a + n], None if iq is None else iq[a:a + n])
-        att[a:a + n] = _attend(cfg, st, q[a:a + n], cells, valid)
+    cells, valid = _cells(cfg, il, segs, pos, iq)
+    for st, a, n in segs:
+        attend(st.k.view(), st.v.view(), q[a:a + n], cells[a:a + n], valid[a:a + n], att[a:a + n])
     return w.attn_output @ (att.reshape(T, H * D) * sigmoid(gate))
