@@ -23,19 +23,39 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=_Help, **kwargs)
 
 
-def _progress(done: int, total: int) -> None:
-    """Prompt progress: a live line on a terminal, one line per update where stderr is a file or a pipe."""
+def _progress(done: int, total: int, label: str = "prompt", scale: int = 1, unit: str = "") -> None:
+    """Progress: a live line on a terminal, one line per update where stderr is a file or a pipe. With `scale`
+    the counts are shown divided by it, to one decimal, then `unit` (bytes as MiB: scale 2**20, unit " MiB")."""
+    shown = f"{done}/{total}" if scale == 1 else f"{done / scale:.1f}/{total / scale:.1f}{unit}"
     if sys.stderr.isatty():
-        print(f"\rprompt {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+        print(f"\r{label} {shown}", end="" if done < total else "\n", file=sys.stderr, flush=True)
     else:
-        print(f"prompt {done}/{total}", file=sys.stderr, flush=True)
+        print(f"{label} {shown}", file=sys.stderr, flush=True)
+
+
+def _write_progress(label: str):
+    """A GGUF writer's progress (tensor, bytes done, bytes total; per chunk) as _progress lines, one per percent."""
+    shown = [-1]
+
+    def report(name: str, done: int, total: int) -> None:
+        percent = done * 100 // max(total, 1)
+        if percent > shown[0]:
+            shown[0] = percent
+            _progress(done, total, label, scale=1 << 20, unit=" MiB")
+    return report
 
 
 def _host(a):
     from strata.engine import HostConfig
     ctx = {} if a.ctx is None else {"max_ctx": a.ctx}       # the CUDA KV cache holds the context asked for
+    host = None if a.host_budget_gib is None else int(a.host_budget_gib * (1 << 30))
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
-                      step_tokens=a.step_tokens, **ctx)
+                      step_tokens=a.step_tokens, host_budget_bytes=host,
+                      ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), **ctx)
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _sampling(a, **kw):
@@ -60,8 +80,16 @@ def cmd_generate(a) -> int:
     params = _sampling(a, max_tokens=a.max_tokens)
 
     async def run() -> None:
-        async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx) as eng:
-            async for c in eng.generate(a.prompt, params, progress=_progress):
+        opened: list[str] = []          # the open line, shown once the request is admitted (a refused one's error
+                                        # stays the first line)
+
+        def progress(done: int, total: int) -> None:
+            while opened:
+                _log(opened.pop())
+            _progress(done, total)
+        async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx,
+                                     log=opened.append) as eng:
+            async for c in eng.generate(a.prompt, params, progress=progress):
                 sys.stdout.write(c.text)
                 sys.stdout.flush()
         t = c.timings
@@ -86,7 +114,7 @@ def cmd_chat(a) -> int:
     from strata.chat import ChatFormat
     from strata.engine import BackendUnavailable, ContextLengthError, Engine, EngineError
     try:
-        eng = Engine.open_sync(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx)
+        eng = Engine.open_sync(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx, log=_log)
     except BackendUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -149,10 +177,12 @@ def cmd_serve(a) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx) as eng:
             name = a.name or Path(eng.model.file.path).stem
-            await serve(eng, host=a.host, port=a.port, api_key=a.api_key, name=name, stop=stop,
-                        ready=lambda host, port: print(
-                            f"serving {name} (context {eng.n_ctx} tokens) at http://{host}:{port}/v1"
-                            f"{' (API key required)' if a.api_key else ''}", file=sys.stderr, flush=True))
+
+            def ready(host: str, port: int) -> None:       # the open line after: the address stays the first line
+                _log(f"serving {name} (context {eng.n_ctx} tokens) at http://{host}:{port}/v1"
+                     f"{' (API key required)' if a.api_key else ''}")
+                _log(eng.open_line)
+            await serve(eng, host=a.host, port=a.port, api_key=a.api_key, name=name, stop=stop, ready=ready)
 
     try:
         uvloop.run(run())
@@ -208,13 +238,19 @@ def cmd_inspect(a) -> int:
 
 def cmd_convert(a) -> int:
     from strata.model.convert import convert
-    convert(a.hf_dir, a.out, a.outtype)
+    convert(a.hf_dir, a.out, a.outtype, mix=a.mix, threads=a.threads, progress=_write_progress("convert"))
+    return 0
+
+
+def cmd_quantize(a) -> int:
+    from strata.model.quantize_file import quantize_gguf
+    quantize_gguf(a.model, a.out, a.mix, threads=a.threads, progress=_write_progress("quantize"))
     return 0
 
 
 def cmd_make_model(a) -> int:
     from strata.model.synth import make_model
-    make_model(a.preset, a.out, seed=a.seed, mix=a.mix, ple_base=a.ple_base, threads=a.threads)
+    make_model(a.preset, a.out, seed=a.seed, mix=a.mix, ple_base=a.ple_base, threads=a.threads, routing=a.routing)
     return 0
 
 
@@ -230,8 +266,15 @@ def _engine_options(g) -> None:
     g.add_argument("--experts", default="auto", choices=["auto", "vram", "host"],
                    help="CUDA: every expert in VRAM, or experts in host memory behind a VRAM cache; auto: vram "
                         "when the budget holds every weight")
+    g.add_argument("--host-budget-gib", type=float, default=None,
+                   help="the RAM tier: expert blobs kept in host memory (an LRU over what was read; the rest is read "
+                        "from the file with O_DIRECT as needed); on the cpu backend a budget below the experts' size "
+                        "selects that path (default: every expert, at most half the RAM)")
+    g.add_argument("--ple-cache-mib", type=float, default=64.0,
+                   help="hot PLE table rows kept in RAM (0: every row is read from the file)")
     g.add_argument("--step-tokens", type=int, default=512,
-                   help="tokens per step at most: decode rows first, then prompt chunks (the CUDA backend takes 1)")
+                   help="tokens per step at most: decode rows first, then prompt chunks (on CUDA also the "
+                        "batched path's largest step)")
     g.add_argument("--trace", metavar="FILE", help="write per-step latency traces here (JSON lines)")
 
 
@@ -303,11 +346,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="also read every tensor and fail naming the first that holds NaN or inf")
     i.set_defaults(fn=cmd_inspect)
 
-    c = sub.add_parser("convert", help="transformers Qwen4-Exp checkpoint folder -> GGUF")
-    c.add_argument("hf_dir")
-    c.add_argument("out")
-    c.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"], help="tensor type written")
+    c = sub.add_parser("convert", help="transformers Qwen4-Exp checkpoint folder -> GGUF, streamed tensor by "
+                                       "tensor in bounded memory")
+    c.add_argument("hf_dir", help="the folder: config.json, *.safetensors, and tokenizer.json (byte-level BPE; "
+                                  "without it a small synthetic vocabulary is written), tokenizer_config.json, "
+                                  "chat_template.jinja when present")
+    c.add_argument("out", help="the GGUF file to write")
+    types = c.add_mutually_exclusive_group()
+    types.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                       help="the type of every matrix (vectors stay F32)")
+    types.add_argument("--mix", help="instead of --outtype, per-tensor types as make-model --mix writes them: f32, "
+                                     "bf16, q8_0 or realistic (default: none)")
+    c.add_argument("--threads", type=int, default=None, help="quantizer threads (default: one per core)")
     c.set_defaults(fn=cmd_convert)
+
+    qz = sub.add_parser("quantize", help="rewrite a GGUF's tensors in a mix's types, streamed; metadata copied "
+                                         "unchanged")
+    qz.add_argument("model", help="the GGUF file to read")
+    qz.add_argument("out", help="the GGUF file to write")
+    qz.add_argument("--mix", default="realistic",
+                    help="f32, bf16, q8_0 or realistic: each tensor gets the type make-model --mix gives it")
+    qz.add_argument("--threads", type=int, default=None, help="quantizer threads (default: one per core)")
+    qz.set_defaults(fn=cmd_quantize)
 
     mm = sub.add_parser("make-model", help="random weights straight to GGUF, deterministic by seed")
     mm.add_argument("out")
@@ -317,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--ple-base", type=int, default=None,
                     help="rows per PLE head (default: the preset's; flash uses 20,000,000 like the real model)")
     mm.add_argument("--threads", type=int, default=None, help="writer threads (default: one per core)")
+    mm.add_argument("--routing", default="uniform", choices=["uniform", "realistic"],
+                    help="uniform: random routers, tokens spread almost evenly over the experts (a cache's worst "
+                         "case); realistic: skewed router rows, calibrated per preset so that an LRU cache holding "
+                         "45%% of each layer's experts hits about 80%% on text, as published for the trained model "
+                         "(recorded in the strata.routing.* metadata)")
     mm.set_defaults(fn=cmd_make_model)
 
     a = p.parse_args(argv)

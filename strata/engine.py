@@ -63,7 +63,16 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
     if not isinstance(backend, str):
         return backend
     if backend == "cpu":
-        return CpuBackend(model)
+        experts = host.experts
+        if experts == "auto":          # the mapping holds every expert: mapped, unless a host budget asks for less
+            need = sum(t.nbytes for n, t in model.file.tensors.items() if "_exps." in n)
+            room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+            fits = need <= room and (host.host_budget_bytes is None or need <= host.host_budget_bytes)
+            experts = "mapped" if fits else "host"
+        if experts not in ("mapped", "vram", "host"):
+            raise ValueError(f"HostConfig.experts={experts!r}: choose 'auto', 'mapped' (or 'vram') or 'host'")
+        # "vram" (every expert resident on the device) is, on the CPU, the mapped file
+        return CpuBackend(model, experts="host" if experts == "host" else "mapped")
     if backend == "cuda":
         from strata.cuda.backend import CudaBackend  # lazily: cuda-bindings only where there is a GPU
         from strata.cuda.driver import CudaError, available
@@ -101,9 +110,11 @@ class Engine:
     the token loop over a backend (generate). The backend and scheduler live on the event loop that first uses them."""
 
     def __init__(self, model: Model, exact: bool = False, *, backend: str | Backend = "cpu",
-                 host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None, n_ctx: int | None = None):
+                 host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None, n_ctx: int | None = None,
+                 log: Callable[[str], None] | None = None):
         """n_ctx: the context length every request must fit (prompt + max_tokens); None: the file's context_length
-        (DEFAULT_CTX when it has none), at most what the backend holds (a device KV cache's max_ctx)."""
+        (DEFAULT_CTX when it has none), at most what the backend holds (a device KV cache's max_ctx). `log` gets
+        the open line (open_line: the memory tiers, how the file is read, peak RSS)."""
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
@@ -120,23 +131,27 @@ class Engine:
         default = self.cfg.n_ctx_train or DEFAULT_CTX
         self.n_ctx = n_ctx or (min(default, limit) if limit is not None else default)
         self.scheduler = Scheduler(model, self.backend, host, Tracer(os.fspath(trace) if trace else None), exact)
+        self.open_line = f"opened {model.file.path}: {self.scheduler.memory_line()}"
+        if log is not None:
+            log(self.open_line)
         self._loop: asyncio.AbstractEventLoop | None = None        # the sync wrappers' own loop
 
     @classmethod
     def open_sync(cls, path: str | os.PathLike | None = None, *, exact: bool = False, backend: str | Backend = "cpu",
                   host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None,
-                  n_ctx: int | None = None) -> "Engine":
+                  n_ctx: int | None = None, log: Callable[[str], None] | None = None) -> "Engine":
         return cls(load_model(_resolve(path), exact=exact), exact=exact, backend=backend, host=host, trace=trace,
-                   n_ctx=n_ctx)
+                   n_ctx=n_ctx, log=log)
 
     @classmethod
     async def open(cls, path: str | os.PathLike | None = None, *, exact: bool = False,
                    backend: str | Backend = "cpu", host: HostConfig = HostConfig(),
-                   trace: str | os.PathLike | None = None, n_ctx: int | None = None) -> "Engine":
+                   trace: str | os.PathLike | None = None, n_ctx: int | None = None,
+                   log: Callable[[str], None] | None = None) -> "Engine":
         """Parse and check the file on a thread; the backend is made on the calling (loop) thread, which is where
         it will be called from (a CUDA context is per thread)."""
         model = await asyncio.to_thread(lambda: load_model(_resolve(path), exact=exact))
-        return cls(model, exact=exact, backend=backend, host=host, trace=trace, n_ctx=n_ctx)
+        return cls(model, exact=exact, backend=backend, host=host, trace=trace, n_ctx=n_ctx, log=log)
 
     def check_tokens(self, tokens: Sequence[int]) -> list[int]:
         out = []

@@ -8,8 +8,8 @@ import json
 import pytest
 
 import cli
-from strata.engine import Engine
-from strata.host.trace import DEVICE, KINDS, WAITS, load, overlap, summarize, union
+from strata.engine import Engine, HostConfig
+from strata.host.trace import DEVICE, KINDS, WAITS, format_summary, load, overlap, summarize, union
 from strata.sampling import SamplingParams
 
 
@@ -45,6 +45,30 @@ def test_summary_of_known_records():
     assert p.tok_s == pytest.approx(100.0)                   # 2 tokens in 20 ms
 
 
+def test_summary_counts_tiers_and_splits_read_time():
+    """Experts rows with their RAM and SSD columns, PLE rows and cache hits, peak RSS: summed and shown; the time
+    reads were in flight splits into behind busy work (device, CPU pool), behind host work and exposed."""
+    recs = []
+    for t0 in (0, 10):
+        r = _record(t0)
+        r["experts"] = [[0, 4, 1, 2, 1, 1000, 500, 1, 2]]                  # of 3 misses, 1 from RAM, 2 from SSD
+        r["io"] = [["expert", 4096, t0 + .5, t0 + 2.5], ["ple", 8192, t0 + 6.2, t0 + 7.0],
+                   ["expert", 4096, t0 + 2.0, t0 + 2.2]]
+        r["spans"].append(["io_wait", 0, t0 + 6.8, t0 + 7.2])
+        r["ple"], r["peak_rss"] = [16, 4], (3 + t0) << 20
+        recs.append(r)
+    (p,) = summarize(recs)
+    assert (p.ram_hits, p.ssd_reads, p.ple_rows, p.ple_hits) == (2, 4, 32, 8) and p.peak_rss == 13 << 20
+    assert p.expert_ssd_bytes == 8192 and p.ple_ssd_bytes == 8192
+    assert p.io_ms == pytest.approx(2.8)                 # [0.5, 2.5] and [6.2, 7.0] per step
+    assert p.io_busy_ms == pytest.approx(2.0) and p.io_exposed_ms == pytest.approx(0.2)
+    assert p.io_host_ms == pytest.approx(0.6)            # 6.2..6.8: the driver was sampling, then other host work
+    out = format_summary([p])
+    assert "RAM 1.0 (25.0%), SSD 2.0 (50.0%)" in out and "25.0% from the RAM cache" in out
+    assert "SSD: 16.4 kB/token (experts 8.2, PLE 8.2)" in out and "exposed 0.200 ms" in out
+    assert "peak RSS 13.0 MiB" in out
+
+
 def test_summary_by_step_kind():
     """Steps are summarized by what they carried: prompt rows only, decode rows only, or both; tok/s counts every
     row of a kind's steps against their summed wall time."""
@@ -65,9 +89,10 @@ def test_load_names_a_broken_line(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys):
+@pytest.mark.parametrize("experts", ["host", "mapped"])
+async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys, experts):
     path = tmp_path / "trace.jsonl"
-    async with await Engine.open(tiny_gguf, trace=path) as e:
+    async with await Engine.open(tiny_gguf, trace=path, host=HostConfig(experts=experts)) as e:
         async for _ in e.generate("Once upon a time", SamplingParams(max_tokens=5, stop_at_eos=False)):
             pass
     recs = load(str(path))
@@ -87,8 +112,11 @@ async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys):
         parts = sum(p.ms[k] for k in KINDS) + p.ms["other"]
         assert parts == pytest.approx(p.ms["total"], abs=1e-9)
         assert p.host_ms == pytest.approx(p.ms["total"] - sum(p.ms[k] for k in DEVICE) - sum(p.ms[k] for k in WAITS))
-        assert p.hits == p.fetched == 0                      # the CPU backend: every distinct expert on the CPU
-        assert p.cpu_experts == sum(x[3] for r in recs if r["kind"] == p.phase for x in r["experts"]) > 0
+        distinct = sum(x[2] + x[3] for r in recs if r["kind"] == p.phase for x in r["experts"])
+        if experts == "host":                                # every distinct expert on the host's CPU pool
+            assert p.hits == p.fetched == 0 and p.cpu_experts == distinct > 0
+        else:                                                # every one resident: the backend computed them
+            assert p.cpu_experts == p.fetched == p.cpu_ms == 0 and p.hits == distinct > 0
 
     assert cli.main(["trace", str(path)]) == 0
     out = capsys.readouterr().out

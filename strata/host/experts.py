@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from strata.host.ple_io import pread_into
+from strata.host.direct_io import aligned_empty, open_file, pread_into, spans
 from strata.host.trace import clock
 from strata.model.gguf_file import FileGuard
 from strata.model.loader import Model
@@ -81,93 +82,175 @@ class ExpertLayout:
 class ExpertBlob:
     """Expert `expert` of layer `layer` in host memory: one buffer, three uint8 (rows, row_bytes) views, and their
     addresses for the compiled expert batch (taken once here, on the I/O thread). `alloc(nbytes)` gives the buffer
-    (the CUDA backend's pinned cells, so uploads DMA straight from it); numpy memory by default."""
+    (the CUDA backend's pinned cells, so uploads DMA straight from it); numpy memory by default. `buf`, `at`: an
+    O_DIRECT read's aligned buffer, the views at buffer offsets `at` inside it."""
 
     def __init__(self, layer: int, expert: int, slices: tuple[ExpertSlice, ...],
-                 alloc: Callable[[int], np.ndarray] | None = None):
+                 alloc: Callable[[int], np.ndarray] | None = None, *, buf: np.ndarray | None = None,
+                 at: list[int] | None = None):
         self.layer, self.expert = layer, expert
-        n = sum(s.nbytes for s in slices)
-        self.buf = alloc(n) if alloc is not None else np.empty(n, np.uint8)
-        views, at = [], 0
-        for s in slices:
-            views.append(self.buf[at:at + s.nbytes].reshape(s.rows, s.row_bytes))
-            at += s.nbytes
-        self.gate, self.up, self.down = views
-        self.addr = tuple(v.__array_interface__["data"][0] for v in views)     # gate, up, down
-        self.read: tuple[float, float] | None = None    # the read's interval until the trace takes it
+        self.nbytes = sum(s.nbytes for s in slices)        # the weights' bytes (what a CPU batch or upload moves)
+        if buf is None:
+            buf = alloc(self.nbytes) if alloc is not None else np.empty(self.nbytes, np.uint8)
+            at = np.cumsum([0] + [s.nbytes for s in slices[:-1]]).tolist()
+        self.buf = buf
+        self.gate, self.up, self.down = (buf[a:a + s.nbytes].reshape(s.rows, s.row_bytes) for s, a in zip(slices, at))
+        self.addr = tuple(v.__array_interface__["data"][0] for v in (self.gate, self.up, self.down))
+        self.read: tuple[float, float, int] | None = None   # (t0, t1, bytes from the file) until the trace takes it
 
     @property
-    def nbytes(self) -> int:
+    def mem_bytes(self) -> int:
+        """Host memory the blob holds (an O_DIRECT buffer's aligned spans included)."""
         return self.buf.nbytes
 
-    def take_read(self) -> tuple[float, float] | None:
+    def take_read(self) -> tuple[float, float, int] | None:
         r, self.read = self.read, None
         return r
 
 
+def _owner(a: np.ndarray) -> object:
+    """The object whose life is a's memory's: every view of a keeps it alive."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
 class ExpertStore:
-    """Host memory for expert blobs: an LRU bounded in bytes, filled by preads from the GGUF on the I/O pool.
+    """The RAM tier: expert blobs in host memory, an LRU bounded in bytes (`budget_bytes`), whose misses are read
+    from the GGUF (the SSD tier) on the I/O pool, O_DIRECT unless `direct` is False or the filesystem refuses it.
 
     `fetch` starts the read at once (or finds the blob, or the read already in flight); blobs are whole experts
-    so a CPU task or an upload never waits on part of one. Thread-safe: reads finish on I/O threads.
+    so a CPU task or an upload never waits on part of one. Every blob read enters the LRU as most recently used
+    (the policy promotes what comes in); a RAM hit moves it to the end. A VRAM hit does not touch this LRU, so the
+    RAM tier holds the experts that recently missed VRAM rather than a second copy of the hottest ones.
+
+    Reads: O_DIRECT covers each slice's aligned span (strata.host.direct_io.spans: gate and up merge where they
+    touch); with numpy memory the blob's views lie inside that aligned buffer (no copy); with `alloc` (the CUDA
+    backend's pinned cells, sized to the blob) the spans land in the reading thread's aligned bounce buffer and
+    are copied into the cell, so an upload stays one DMA from pinned memory. Buffered: pread of the exact bytes.
+
+    An evicted blob is only dropped from the LRU: a CPU batch or an upload that still reads it holds a reference,
+    so its memory (a pinned cell included: strata.host.cells) is freed once the last reader is done. `bytes` counts
+    the LRU (never above the budget); `live_bytes` every blob buffer alive (the LRU plus blobs in use or in flight).
+    Thread-safe: reads finish on I/O threads.
     """
 
-    def __init__(self, path: str, layout: ExpertLayout, budget_bytes: int, pool: ThreadPoolExecutor,
-                 alloc: Callable[[int], np.ndarray] | None = None):
-        self.path, self.layout, self.budget, self.pool, self.alloc = path, layout, budget_bytes, pool, alloc
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: str, layout: ExpertLayout, budget_bytes: int | None, pool: ThreadPoolExecutor,
+                 alloc: Callable[[int], np.ndarray] | None = None, *, direct: bool = True, n_expert: int = 0):
+        """budget_bytes None: room for all `n_expert` experts of every layer as this store holds them (aligned spans
+        with O_DIRECT), at most half the RAM."""
+        self.path, self.layout, self.pool, self.alloc = path, layout, pool, alloc
+        self.file = open_file(path, direct)
+        self.fd = self.file.fd
+        if budget_bytes is None:
+            everything = sum(self.mem_bytes(il, e) for il in range(len(layout.layers)) for e in range(n_expert))
+            budget_bytes = min(everything, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+        self.budget = budget_bytes
         self.guard = FileGuard(self.fd, path)       # a changed file fails the read, not the process
-        self.bytes = 0
-        self.reads = 0
+        self.bytes = self.peak_bytes = 0            # the LRU's memory, and its high-water mark
+        self.live_bytes = self.peak_live_bytes = 0  # every blob buffer alive
+        self.reads = 0                              # blobs read from the file
+        self.ram_hits = 0                           # fetches the LRU answered
+        self.ssd_bytes = 0                          # bytes read from the file (aligned spans with O_DIRECT)
         self._lru: OrderedDict[tuple[int, int], ExpertBlob] = OrderedDict()
         self._pending: dict[tuple[int, int], Future] = {}
-        self._lock = threading.Lock()
+        # reentrant: dropping the last reference to a blob (an eviction, under the lock) runs _freed right there
+        self._lock = threading.RLock()
+        self._local = threading.local()             # each I/O thread's bounce buffer (alloc with O_DIRECT)
 
     def __len__(self) -> int:
         return len(self._lru)
 
+    def mem_bytes(self, layer: int, expert: int) -> int:
+        """Host memory a blob of this expert takes here: its aligned spans where O_DIRECT reads into place."""
+        parts = [(s.offset(expert), s.nbytes) for s in self.layout.layers[layer]]
+        if self.file.direct and self.alloc is None:
+            return sum(n for _, n, _ in spans(parts)[0])
+        return sum(n for _, n in parts)
+
     def fetch(self, layer: int, expert: int) -> Future:
         """A future of the ExpertBlob; the read (if one is needed) is already running when this returns."""
-        key = (layer, expert)
+        return self.fetch_many(layer, [expert])[0][0]
+
+    def fetch_many(self, layer: int, experts: list[int]) -> tuple[list[Future], np.ndarray]:
+        """fetch for each of `experts`, and which the RAM tier held (bool (n,)); the others come from the file."""
+        futs, in_ram = [], np.zeros(len(experts), bool)
         with self._lock:
-            blob = self._lru.get(key)
-            if blob is not None:
-                self._lru.move_to_end(key)
-                done: Future = Future()
-                done.set_result(blob)
-                return done
-            fut = self._pending.get(key)
-            if fut is None:
-                fut = self._pending[key] = self.pool.submit(self._read, layer, expert)
-            return fut
+            for i, expert in enumerate(experts):
+                key = (layer, expert)
+                blob = self._lru.get(key)
+                if blob is not None:
+                    self._lru.move_to_end(key)
+                    self.ram_hits += 1
+                    in_ram[i] = True
+                    done: Future = Future()
+                    done.set_result(blob)
+                    futs.append(done)
+                    continue
+                fut = self._pending.get(key)
+                if fut is None:
+                    fut = self._pending[key] = self.pool.submit(self._read, layer, expert)
+                futs.append(fut)
+        return futs, in_ram
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        b = getattr(self._local, "buf", None)
+        if b is None or b.nbytes < nbytes:
+            b = self._local.buf = aligned_empty(nbytes)
+        return b[:nbytes]
 
     def _read(self, layer: int, expert: int) -> ExpertBlob:
         try:
             t0 = clock()
             slices = self.layout.layers[layer]
             self.guard.check()
-            blob = ExpertBlob(layer, expert, slices, self.alloc)
-            for s in slices:
-                os.posix_fadvise(self.fd, s.offset(expert), s.nbytes, os.POSIX_FADV_WILLNEED)
-            for s, view in zip(slices, (blob.gate, blob.up, blob.down)):
-                pread_into(self.fd, view, s.offset(expert), self.path, f"reading expert {expert} of layer {layer}")
-            blob.read = (t0, clock())
+            what = f"reading expert {expert} of layer {layer}"
+            if self.file.direct:
+                reads, at = spans([(s.offset(expert), s.nbytes) for s in slices])
+                total = sum(n for _, n, _ in reads)
+                into = aligned_empty(total) if self.alloc is None else self._bounce(total)
+                for off, n, b in reads:
+                    pread_into(self.fd, into[b:b + n], off, self.path, what, min(n, self.guard.size - off))
+                if self.alloc is None:
+                    blob = ExpertBlob(layer, expert, slices, buf=into, at=at)
+                else:
+                    blob = ExpertBlob(layer, expert, slices, self.alloc)
+                    for v, a in zip((blob.gate, blob.up, blob.down), at):
+                        v.reshape(-1)[:] = into[a:a + v.nbytes]
+            else:
+                blob = ExpertBlob(layer, expert, slices, self.alloc)
+                total = blob.nbytes
+                for s in slices:
+                    os.posix_fadvise(self.fd, s.offset(expert), s.nbytes, os.POSIX_FADV_WILLNEED)
+                for s, view in zip(slices, (blob.gate, blob.up, blob.down)):
+                    pread_into(self.fd, view, s.offset(expert), self.path, what)
+            blob.read = (t0, clock(), total)
+            mem = blob.mem_bytes
             with self._lock:
                 self.reads += 1
-                if blob.nbytes <= self.budget:
+                self.ssd_bytes += total
+                self.live_bytes += mem
+                self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+                if mem <= self.budget:
                     self._lru[(layer, expert)] = blob
-                    self.bytes += blob.nbytes
+                    self.bytes += mem
                     while self.bytes > self.budget:
                         _, old = self._lru.popitem(last=False)
-                        self.bytes -= old.nbytes
+                        self.bytes -= old.mem_bytes
+                    self.peak_bytes = max(self.peak_bytes, self.bytes)
+            weakref.finalize(_owner(blob.buf), self._freed, mem).atexit = False
             return blob
         finally:
             with self._lock:
                 self._pending.pop((layer, expert), None)
 
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.live_bytes -= nbytes
+
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            self.file.close()
             self.fd = -1
 
 

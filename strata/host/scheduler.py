@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
+from strata.host.direct_io import rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PleReader
 from strata.host.prefix import Prefix, PrefixCache
@@ -68,12 +69,20 @@ class HostConfig:
     vram_budget_bytes: int = 24 << 30       # CUDA: device memory in use while strata runs: its CUDA context,
                                             # kernels, graphs and arena, and whatever else holds the GPU; the
                                             # arena (dense weights, KV, expert cache slots) gets what is left
-    host_budget_bytes: int | None = None    # expert blobs kept in RAM; None: all experts, at most half the RAM
+    host_budget_bytes: int | None = None    # the RAM tier: expert blobs kept in host memory (an LRU; misses are
+                                            # read from the file); None: all experts, at most half the RAM
+    ple_cache_bytes: int = 64 << 20         # hot PLE table rows kept in RAM (0: every row is read from the file)
+    direct_io: bool = True                  # file reads (expert blobs, PLE rows) with O_DIRECT, past the page
+                                            # cache; False, or a filesystem that refuses it: buffered pread
     cpu_threads: int | None = None          # CPU expert pool; None: one per core
-    io_threads: int = 8                     # expert blob reads in flight at once
+    io_threads: int = 32                    # reads in flight at once (queue depth), for expert blobs and again
+                                            # for PLE blocks
     max_ctx: int = 8192                     # CUDA: positions the device's KV cache holds (its memory is reserved)
     experts: str = "auto"                   # CUDA: "vram" (every expert uploaded at open, one graph per token),
-                                            # "host" (the cache above), "auto": vram when the budget holds them
+                                            # "host" (the cache above), "auto": vram when the budget holds them;
+                                            # CPU: "mapped" or "vram" (the backend computes them from the
+                                            # mapped file), "host" (the CPU pool over the host store), "auto":
+                                            # mapped when they fit half the RAM and host_budget_bytes
     step_tokens: int = 512                  # rows per step at most (decode rows, then prompt chunks); the
                                             # backend's max_step_tokens caps it
     prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
@@ -181,13 +190,6 @@ class Request:
                        (self.generated - 1) / dec if self.generated > 1 and dec > 0 else 0.0, ms)
 
 
-def _host_budget(layout: ExpertLayout, n_expert: int, budget: int | None) -> int:
-    if budget is not None:
-        return budget
-    everything = sum(layout.blob_bytes(il) for il in range(len(layout.layers))) * n_expert
-    return min(everything, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
-
-
 class Scheduler:
     """Packs every request's tokens into steps and sequences the backend's stages and the expert work; one driver
     task."""
@@ -201,9 +203,9 @@ class Scheduler:
         self.layout = ExpertLayout.from_model(model)
         self.io = ThreadPoolExecutor(host.io_threads, thread_name_prefix="strata-io")
         # a backend that can DMA from host memory it allocated (CUDA: pinned cells) gives the blobs their memory
-        self.store = ExpertStore(model.file.path, self.layout,
-                                 _host_budget(self.layout, self.cfg.n_expert, host.host_budget_bytes), self.io,
-                                 alloc=getattr(backend, "host_alloc", None))
+        self.store = ExpertStore(model.file.path, self.layout, host.host_budget_bytes, self.io,
+                                 alloc=getattr(backend, "host_alloc", None), direct=host.direct_io,
+                                 n_expert=self.cfg.n_expert)
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
@@ -219,7 +221,8 @@ class Scheduler:
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
         self.ple = PleReader(model.file.path, model.file.tensor("per_layer_token_embd.weight"),
-                             ThreadPoolExecutor(1, thread_name_prefix="strata-ple")) if has_ple else None
+                             ThreadPoolExecutor(1, thread_name_prefix="strata-ple"), direct=host.direct_io,
+                             cache_bytes=host.ple_cache_bytes, threads=host.io_threads) if has_ple else None
         self.ple_layer = self.cfg.ple_layers[0] if has_ple else -1
         self.prefixes = (PrefixCache(host.prefix_cache_bytes)
                          if host.prefix_cache_bytes > 0 and hasattr(backend, "snapshot") else None)
@@ -244,6 +247,18 @@ class Scheduler:
     @property
     def closed(self) -> EngineClosed | None:
         return self._closed
+
+    def memory_line(self) -> str:
+        """The tiers' budgets, how the file is read, and the process's memory now and at its peak (resident
+        memory: the page cache is not counted, and O_DIRECT leaves nothing in it to count on)."""
+        gib, mib, m, s = 1 << 30, 1 << 20, rss_bytes(), self.store
+        where = getattr(self.backend, "experts", "host")
+        tier = (f"experts all resident in the {self.backend.name} backend ({where})" if where in ("mapped", "vram")
+                else f"experts: {self.cache.slots} VRAM slots, RAM tier {s.budget / gib:.2f} GiB, then the file")
+        ple = "" if self.ple is None else f"; PLE hot-row cache {getattr(self.ple.cache, 'nbytes', 0) / mib:.0f} MiB"
+        return (f"{tier}{ple}; reads: {s.file.mode}; RSS {m.get('rss', m['peak']) / gib:.2f} GiB (anonymous "
+                f"{m.get('anon', 0) / gib:.2f}, mapped file {m.get('file', 0) / gib:.2f}), peak {m['peak'] / gib:.2f} "
+                f"GiB")
 
     def submit(self, prompt: list[int], params: SamplingParams | None, stop_ids: frozenset[int] = frozenset()) \
             -> Request:
@@ -584,7 +599,9 @@ class Scheduler:
             rows = await self._wait(read.fut, st, "ple_wait", self.ple_layer, "the PLE rows of the step")
             if id(read) not in seen:
                 seen.add(id(read))
-                st.read("ple", rows.nbytes, rows.t0, rows.t1)
+                st.ple_rows(len(rows.e), rows.hits)
+                if rows.nbytes:
+                    st.read("ple", rows.nbytes, rows.t0, rows.t1)
             e[a:b] = rows.e[read.inv[at:at + b - a]].reshape(b - a, -1)
         return e
 
@@ -653,7 +670,10 @@ class Scheduler:
             st.layer_experts(il, n_routed, len(hit), 0, 0, 0, 0)
             return plan
         experts = plan.experts.tolist()
-        blobs = {u: self.store.fetch(il, experts[u]) for u in miss.tolist()}   # reads start as soon as routed
+        futs, in_ram = self.store.fetch_many(il, [experts[u] for u in miss.tolist()])   # SSD reads start now
+        blobs = dict(zip(miss.tolist(), futs))
+        n_ram = int(in_ram.sum())
+        read_now = {u for u, r in zip(miss.tolist(), in_ram.tolist()) if not r}     # this step's SSD reads
         miss = miss[np.argsort(-pairs[miss], kind="stable")]          # the most-used misses are uploaded first
         up: list[tuple[int, int]] = []                                # (expert index u, slot)
         keep = set(experts)
@@ -673,7 +693,8 @@ class Scheduler:
         fetched_bytes, t_up = 0, clock()
         for u, slot in up:
             blob = await self._wait(blobs[u], st, "io_wait", il, f"expert {experts[u]} of layer {il}")
-            self._trace_read(st, blob)
+            if u in read_now:
+                self._trace_read(st, blob)
             t0 = clock()
             be.load_expert(il, experts[u], slot, blob.gate, blob.up, blob.down)
             st.span("upload", il, t0, clock())
@@ -688,8 +709,9 @@ class Scheduler:
             self.costs.observe_cpu(il, len(cpu_pairs), res.t1 - t_cpu)
             cpu_bytes = sum(b.nbytes for b in res.blobs)
             st.cpu_batch(il, len(cpu), cpu_bytes, res.t0, res.t1)
-            for b in res.blobs:
-                self._trace_read(st, b)
+            for u, b in zip(cpu, res.blobs):
+                if u in read_now:
+                    self._trace_read(st, b)
         if up:
             hit = np.asarray(be.resident(il, plan.experts), bool)
             lost = [experts[u] for u, _ in up if not hit[u]]
@@ -697,14 +719,16 @@ class Scheduler:
                 raise BackendError(f"layer {il}: experts {lost} were uploaded but the {be.name} backend does not "
                                    f"report them resident")
         plan.resident = hit
-        st.layer_experts(il, n_routed, len(hit) - len(miss), len(cpu), len(up), cpu_bytes, fetched_bytes)
+        st.layer_experts(il, n_routed, len(hit) - len(miss), len(cpu), len(up), cpu_bytes, fetched_bytes, n_ram,
+                         len(miss) - n_ram)
         return plan
 
     @staticmethod
     def _trace_read(st: StepTrace, blob) -> None:
         r = blob.take_read()
         if r is not None:
-            st.read("expert", blob.nbytes, *r)
+            t0, t1, nbytes = r
+            st.read("expert", nbytes, t0, t1)
 
     # ---- waiting without blocking the loop -----------------------------------------------------------------------
     async def _poll(self, poll, stage: str, layer: int):

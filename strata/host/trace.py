@@ -11,10 +11,20 @@ rows only), "decode" (decode rows only) or "mixed".
     {"event": "step", "step": 7, "kind": "prefill" | "decode" | "mixed", "T": 96, "prompt_tokens": 64,
      "decode_tokens": 32, "rows": [[req, "prompt" | "decode", n_tokens, first_pos], ...], "t0": ms, "t1": ms,
      "spans":   [[kind, layer, t0, t1], ...],                          # the driver, in order; layer -1: none
-     "io":      [[kind ("ple" | "expert"), bytes, t0, t1], ...],       # reads, measured in the I/O threads
+     "io":      [[kind ("ple" | "expert"), bytes, t0, t1], ...],       # reads from the file (bytes the disk moved:
+                                                                       # aligned spans with O_DIRECT), measured in
+                                                                       # the I/O threads
      "cpu":     [[layer, n_experts, weight_bytes, t0, t1], ...],       # CPU-pool batches, first start to last end
-     "experts": [[layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes], ...]}   # routed: (row, expert)
-                                                                       # pairs; hits/cpu/fetched: distinct experts
+     "experts": [[layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes, ram, ssd], ...],
+                                                                       # routed: (row, expert) pairs; the rest are
+                                                                       # distinct experts: hits in VRAM (the
+                                                                       # backend's), misses to the CPU pool or
+                                                                       # uploaded; misses from the RAM tier or SSD
+     "ple":     [rows, cache_hits],                                    # PLE table rows read, of them from RAM
+     "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
+                 "ssd_hidden_ms": of it behind device, CPU pool or upload work, "ssd_exposed_ms": of it while the
+                 driver only waited},
+     "peak_rss": bytes}                                                # the process's high-water mark so far
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
+
+from strata.host.direct_io import peak_rss_bytes
 
 _ORIGIN = time.perf_counter()
 
@@ -68,7 +80,9 @@ class StepTrace:
     spans: list = field(default_factory=list)     # (kind, layer, t0, t1)
     io: list = field(default_factory=list)        # (kind, bytes, t0, t1)
     cpu: list = field(default_factory=list)       # (layer, n, bytes, t0, t1)
-    experts: list = field(default_factory=list)   # (layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes)
+    experts: list = field(default_factory=list)   # (layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes,
+                                                  #  ram, ssd)
+    ple: list = field(default_factory=lambda: [0, 0])     # [rows, cache hits]
 
     @property
     def prompt_tokens(self) -> int:
@@ -93,8 +107,12 @@ class StepTrace:
         self.cpu.append((layer, n, nbytes, t0, t1))
 
     def layer_experts(self, layer: int, routed: int, hits: int, cpu: int, fetched: int, cpu_bytes: int,
-                      fetched_bytes: int) -> None:
-        self.experts.append((layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes))
+                      fetched_bytes: int, ram: int = 0, ssd: int = 0) -> None:
+        self.experts.append((layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes, ram, ssd))
+
+    def ple_rows(self, rows: int, hits: int) -> None:
+        self.ple[0] += rows
+        self.ple[1] += hits
 
     def by_kind(self) -> dict[str, float]:
         """Seconds per span kind."""
@@ -110,7 +128,21 @@ class StepTrace:
                 "spans": [[k, l, _ms(a), _ms(b)] for k, l, a, b in self.spans],
                 "io": [[k, n, _ms(a), _ms(b)] for k, n, a, b in self.io],
                 "cpu": [[l, n, b, _ms(t0), _ms(t1)] for l, n, b, t0, t1 in self.cpu],
-                "experts": [list(e) for e in self.experts]}
+                "experts": [list(e) for e in self.experts], "ple": list(self.ple), "tiers": self.tiers(),
+                "peak_rss": peak_rss_bytes()}
+
+    def tiers(self) -> dict:
+        """Where this step's distinct experts came from, and its reads from the file: bytes, time in flight, and
+        how much of that was hidden behind device, CPU-pool or upload work or exposed (the driver only waited)."""
+        io = union((a, b) for _, _, a, b in self.io)
+        hidden, _, exposed = split_io(io, busy_intervals(self.spans, self.cpu_iv()), wait_intervals(self.spans))
+        return {"vram": sum(e[2] for e in self.experts), "ram": sum(e[7] for e in self.experts),
+                "ssd": sum(e[8] for e in self.experts), "ssd_bytes": sum(x[1] for x in self.io),
+                "ssd_ms": round(1e3 * sum(b - a for a, b in io), 3), "ssd_hidden_ms": round(1e3 * hidden, 3),
+                "ssd_exposed_ms": round(1e3 * exposed, 3)}
+
+    def cpu_iv(self) -> list[tuple[float, float]]:
+        return [(t0, t1) for *_, t0, t1 in self.cpu]
 
 
 class Tracer:
@@ -181,6 +213,42 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
     return tot
 
 
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of union a not in union b (each sorted and disjoint)."""
+    out, j = [], 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        k = j
+        while lo < hi:
+            if k >= len(b) or b[k][0] >= hi:
+                out.append((lo, hi))
+                break
+            if b[k][0] > lo:
+                out.append((lo, b[k][0]))
+            lo = max(lo, b[k][1])
+            k += 1
+    return out
+
+
+def busy_intervals(spans, cpu) -> list[tuple[float, float]]:
+    """What a read can hide behind: device intervals, CPU-pool batches and uploads (spans: (kind, layer, t0, t1))."""
+    return union([(s[2], s[3]) for s in spans if s[0] in DEVICE or s[0] == "upload"] + list(cpu))
+
+
+def wait_intervals(spans) -> list[tuple[float, float]]:
+    return union((s[2], s[3]) for s in spans if s[0] in WAITS and s[0] != "upload")
+
+
+def split_io(io, busy, waits) -> tuple[float, float, float]:
+    """Read time in flight (union io) split three ways that sum to it: behind busy work, behind host work, and
+    exposed (nothing busy, the driver waiting)."""
+    rest = subtract(io, busy)
+    hidden = sum(b - a for a, b in io) - sum(b - a for a, b in rest)
+    exposed = overlap(rest, waits)
+    return hidden, sum(b - a for a, b in rest) - exposed, exposed
+
+
 @dataclass
 class PhaseSummary:
     phase: str                    # the step kind: prefill | decode | mixed
@@ -203,6 +271,16 @@ class PhaseSummary:
     cpu_experts: int
     fetched: int
     expert_bytes: float           # per step: weight bytes the CPU pool read plus bytes uploaded
+    ram_hits: int = 0             # distinct misses of VRAM the RAM tier held, all steps
+    ssd_reads: int = 0            # ... read from the file
+    expert_ssd_bytes: float = 0.0     # per step: bytes read from the file for experts, and for PLE rows
+    ple_ssd_bytes: float = 0.0
+    io_busy_ms: float = 0.0       # per step: read time in flight behind device, CPU-pool or upload work,
+    io_host_ms: float = 0.0       # behind host work (the driver busy in Python),
+    io_exposed_ms: float = 0.0    # and exposed: the driver only waited (the three sum to io_ms)
+    ple_rows: int = 0             # PLE rows asked, all steps, and of them from the RAM cache
+    ple_hits: int = 0
+    peak_rss: int = 0             # bytes: the process's high-water mark at the phase's last step
 
     @property
     def tok_s(self) -> float:
@@ -231,12 +309,20 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
         cpu_u = union((x[3], x[4]) for r in rs for x in r["cpu"])
         ex = [e for r in rs for e in r["experts"]]
         pt, dt = sum(r["prompt_tokens"] for r in rs), sum(r["decode_tokens"] for r in rs)
+        busy = busy_intervals([s for r in rs for s in r["spans"]], [(x[3], x[4]) for r in rs for x in r["cpu"]])
+        io_busy, io_host, io_exposed = split_io(io_u, busy, wait_intervals([s for r in rs for s in r["spans"]]))
+        ple = [r.get("ple", (0, 0)) for r in rs]
         out.append(PhaseSummary(
             phase, n, pt + dt, pt, dt, sums["total"], ms, dev, wait, ms["total"] - dev - wait,
             sum(b - a for a, b in io_u) / n, overlap(io_u, device) / n, sum(x[1] for r in rs for x in r["io"]) / n,
             sum(b - a for a, b in cpu_u) / n, overlap(cpu_u, device) / n,
             sum(e[1] for e in ex), sum(e[2] for e in ex), sum(e[3] for e in ex), sum(e[4] for e in ex),
-            sum(e[5] + e[6] for e in ex) / n))
+            sum(e[5] + e[6] for e in ex) / n,
+            sum(e[7] for e in ex if len(e) > 8), sum(e[8] for e in ex if len(e) > 8),
+            sum(x[1] for r in rs for x in r["io"] if x[0] == "expert") / n,
+            sum(x[1] for r in rs for x in r["io"] if x[0] == "ple") / n,
+            io_busy / n, io_host / n, io_exposed / n, sum(p[0] for p in ple), sum(p[1] for p in ple),
+            max((r.get("peak_rss", 0) for r in rs), default=0)))
     return out
 
 
@@ -272,4 +358,17 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
         lines.append(f"  experts: {p.routed / p.tokens:.1f} routed/token, {distinct / p.steps:.1f} distinct/step: "
                      f"VRAM hits {_pct(p.hits, distinct).strip()}, CPU {p.cpu_experts / p.steps:.1f}/step, fetched "
                      f"to VRAM {p.fetched / p.steps:.1f}/step, {p.expert_bytes / 1e6:.2f} MB/step")
+        pct = lambda x, y: _pct(x, y).strip()
+        lines.append(f"  tiers: distinct experts/step from VRAM {p.hits / p.steps:.1f} ({pct(p.hits, distinct)}), "
+                     f"RAM {p.ram_hits / p.steps:.1f} ({pct(p.ram_hits, distinct)}), SSD {p.ssd_reads / p.steps:.1f} "
+                     f"({pct(p.ssd_reads, distinct)}); PLE rows {p.ple_rows / p.steps:.1f}/step, "
+                     f"{pct(p.ple_hits, p.ple_rows)} from the RAM cache")
+        kb = p.steps / p.tokens / 1e3                    # per step -> kB per token
+        lines.append(f"  SSD: {p.io_bytes * kb:.1f} kB/token (experts {p.expert_ssd_bytes * kb:.1f}, PLE "
+                     f"{p.ple_ssd_bytes * kb:.1f}); in flight {p.io_ms:.3f} ms/step: hidden behind device, CPU pool "
+                     f"or uploads {p.io_busy_ms:.3f} ms ({pct(p.io_busy_ms, p.io_ms)}), behind host work "
+                     f"{p.io_host_ms:.3f} ms, exposed {p.io_exposed_ms:.3f} ms")
+        if p.peak_rss:
+            lines.append(f"  peak RSS {p.peak_rss / 2**20:.1f} MiB (the process's high-water mark; the page cache "
+                         f"is not counted)")
     return "\n".join(lines)
