@@ -51,7 +51,7 @@ def _host(a):
     host = None if a.host_budget_gib is None else int(a.host_budget_gib * (1 << 30))
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host,
-                      ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), **ctx)
+                      ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch, **ctx)
 
 
 def _log(line: str) -> None:
@@ -270,6 +270,9 @@ def _engine_options(g) -> None:
                    help="the RAM tier: expert blobs kept in host memory (an LRU over what was read; the rest is read "
                         "from the file with O_DIRECT as needed); on the cpu backend a budget below the experts' size "
                         "selects that path (default: every expert, at most half the RAM)")
+    g.add_argument("--prefetch", default="off", choices=["previous", "off"],
+                   help="previous: read each layer's experts of the previous step while the layer before runs (the "
+                        "trace reports how many misses it predicted)")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
     g.add_argument("--step-tokens", type=int, default=512,

@@ -294,8 +294,9 @@ async def test_trace_counts_experts_by_tier(tiny_gguf, tmp_path, capsys):
     sum to it, and `cli.py trace` prints the tiers, the SSD figures and the peak RSS."""
     trace = tmp_path / "t.jsonl"
     budget = 40 * blob_mem(tiny_gguf)
+    # no prefetch (the default, said here because the counts below need it): every read is a step's own
     async with Engine(load_model(tiny_gguf), trace=trace,
-                      host=HostConfig(host_budget_bytes=budget, ple_cache_bytes=4096)) as e:
+                      host=HostConfig(host_budget_bytes=budget, ple_cache_bytes=4096, prefetch="off")) as e:
         for p in ("Once upon a time", "Once upon a time"):
             await tokens_of(e, p)
         s = e.scheduler
@@ -429,3 +430,30 @@ def test_cli_tier_flags(capsys):
     finally:
         strata.engine.Engine.open_sync = orig
     assert seen["host"].host_budget_bytes == 1 << 29 and seen["host"].ple_cache_bytes == 0 and seen["log"]
+
+
+@pytest.mark.asyncio
+async def test_prefetch_reads_the_previous_steps_experts(tiny_gguf, tmp_path):
+    """HostConfig.prefetch="previous": with a RAM tier too small for the experts, each layer's experts of the
+    previous step are read while the layer before runs; the logits are the same as without it, the trace counts the reads it
+    started and the misses it predicted, and every store read is a step's own or one the prefetch started."""
+    trace = tmp_path / "t.jsonl"
+    budget = 2 * blob_mem(tiny_gguf)                # a step's blobs do not stay: the previous step's are read again
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 500, 24)]
+    got = {}
+    for mode in ("off", "previous"):
+        async with Engine(load_model(tiny_gguf), trace=trace if mode == "previous" else None,
+                          host=HostConfig(host_budget_bytes=budget, prefetch=mode, experts="host",
+                                          step_tokens=1)) as e:
+            got[mode] = np.asarray(await e.scheduler.score(tokens))     # one token a step: decode's pattern
+            s = e.scheduler
+            assert s.prefetch_on == (mode == "previous")
+            reads = s.store.reads
+    assert np.array_equal(got["previous"], got["off"])
+    recs = load(str(trace))
+    started, misses, predicted = (sum(r["prefetch"][i] for r in recs) for i in range(3))
+    assert started > 0 and 0 < predicted <= min(started, misses)
+    ssd = sum(r["tiers"]["ssd"] for r in recs)
+    assert ssd <= reads <= ssd + started
+    with pytest.raises(ValueError, match="prefetch"):
+        HostConfig(prefetch="sometimes")

@@ -154,6 +154,7 @@ class ExpertStore:
         self.ssd_bytes = 0                          # bytes read from the file (aligned spans with O_DIRECT)
         self._lru: OrderedDict[tuple[int, int], ExpertBlob] = OrderedDict()
         self._pending: dict[tuple[int, int], Future] = {}
+        self._predicted: dict[int, set[int]] = {}  # layer -> experts a prefetch started reading for its next use
         # reentrant: dropping the last reference to a blob (an eviction, under the lock) runs _freed right there
         self._lock = threading.RLock()
         self._local = threading.local()             # each I/O thread's bounce buffer (alloc with O_DIRECT)
@@ -172,13 +173,23 @@ class ExpertStore:
         """A future of the ExpertBlob; the read (if one is needed) is already running when this returns."""
         return self.fetch_many(layer, [expert])[0][0]
 
-    def fetch_many(self, layer: int, experts: list[int]) -> tuple[list[Future], np.ndarray]:
-        """fetch for each of `experts`, and which the RAM tier held (bool (n,)); the others come from the file."""
-        futs, in_ram = [], np.zeros(len(experts), bool)
+    def fetch_many(self, layer: int, experts: list[int]) -> tuple[list[Future], np.ndarray, np.ndarray]:
+        """fetch for each of `experts`; which the RAM tier held (bool (n,)); which a prefetch of this layer had
+        started reading (bool (n,): read from the file for this use, early, so not RAM hits)."""
+        futs, in_ram, predicted = [], np.zeros(len(experts), bool), np.zeros(len(experts), bool)
         with self._lock:
+            guessed = self._predicted.pop(layer, set())
             for i, expert in enumerate(experts):
                 key = (layer, expert)
+                if expert in guessed:
+                    predicted[i] = True
                 blob = self._lru.get(key)
+                if blob is not None and predicted[i]:          # the prefetch's read came in already
+                    self._lru.move_to_end(key)
+                    done: Future = Future()
+                    done.set_result(blob)
+                    futs.append(done)
+                    continue
                 if blob is not None:
                     self._lru.move_to_end(key)
                     self.ram_hits += 1
@@ -191,7 +202,22 @@ class ExpertStore:
                 if fut is None:
                     fut = self._pending[key] = self.pool.submit(self._read, layer, expert)
                 futs.append(fut)
-        return futs, in_ram
+        return futs, in_ram, predicted
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        """Start reading those of `experts` that are neither in the RAM tier nor being read: a prediction of the
+        layer's next misses (it moves nothing in the LRU and counts no hit). It replaces the layer's previous
+        prediction; the next fetch_many of the layer consumes it. Returns how many reads it started."""
+        started = set()
+        with self._lock:
+            for expert in experts:
+                key = (layer, expert)
+                if key in self._lru or key in self._pending:
+                    continue
+                self._pending[key] = self.pool.submit(self._read, layer, expert)
+                started.add(expert)
+            self._predicted[layer] = started
+        return len(started)
 
     def _bounce(self, nbytes: int) -> np.ndarray:
         b = getattr(self._local, "buf", None)

@@ -86,10 +86,17 @@ class HostConfig:
     step_tokens: int = 512                  # rows per step at most (decode rows, then prompt chunks); the
                                             # backend's max_step_tokens caps it
     prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
-                                            # a backend that can copy its state (CpuBackend) takes them
+                                            # a backend that can copy its state (snapshot / restore) takes them
+    prefetch: str = "off"                   # "previous": while layer l's experts are planned, start reading the
+                                            # experts layer l + 1 used in the previous step (those not in VRAM or
+                                            # RAM); a wrong guess costs a read. Off by default: with the SSD tier on
+                                            # the 2-vCPU VM it predicted 23% of the misses and slowed decode 13%
+                                            # (bench/RESULTS.md)
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
+        if self.prefetch not in ("previous", "off"):
+            raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous' or 'off'")
         if self.step_tokens < 1:
             raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
 
@@ -209,6 +216,8 @@ class Scheduler:
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
+        self.prefetch_on = host.prefetch == "previous"
+        self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # each layer's experts, last step
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
         # a scoring chunk asks logits for every row: the backend may give fewer a step (the CUDA head's buffer)
         self.logit_rows = getattr(backend, "max_logit_rows", None) or self.step_tokens
@@ -660,6 +669,9 @@ class Scheduler:
         read once, then computed by the CPU pool over its rows or uploaded. The plan for launch_post(il)."""
         be, k = self.backend, self.cfg.n_expert_used
         plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
+        if self.prefetch_on:
+            self._prefetch(il + 1, st)
+            self._routed_prev[il] = plan.experts
         pairs = np.diff(plan.offsets)                                 # (U,) rows each expert serves
         hit = np.asarray(be.resident(il, plan.experts), bool)         # (U,)
         self.cache.record(il, plan.experts, hit, pairs)
@@ -670,7 +682,9 @@ class Scheduler:
             st.layer_experts(il, n_routed, len(hit), 0, 0, 0, 0)
             return plan
         experts = plan.experts.tolist()
-        futs, in_ram = self.store.fetch_many(il, [experts[u] for u in miss.tolist()])   # SSD reads start now
+        futs, in_ram, predicted = self.store.fetch_many(il, [experts[u] for u in miss.tolist()])  # reads start now
+        in_ram &= ~predicted                      # a prefetched read came from the file for this use
+        st.prefetch_used(len(miss), int(predicted.sum()))
         blobs = dict(zip(miss.tolist(), futs))
         n_ram = int(in_ram.sum())
         read_now = {u for u, r in zip(miss.tolist(), in_ram.tolist()) if not r}     # this step's SSD reads
@@ -722,6 +736,16 @@ class Scheduler:
         st.layer_experts(il, n_routed, len(hit) - len(miss), len(cpu), len(up), cpu_bytes, fetched_bytes, n_ram,
                          len(miss) - n_ram)
         return plan
+
+    def _prefetch(self, il: int, st: StepTrace) -> None:
+        """Start reading what layer il routed to in the previous step and the backend does not hold: its likely
+        misses of this step, read while the layers before it run."""
+        if il >= self.cfg.n_layer or self._routed_prev[il] is None:
+            return
+        cand = self._routed_prev[il]
+        cand = cand[~np.asarray(self.backend.resident(il, cand), bool)]
+        if cand.size:
+            st.prefetch_issued(self.store.prefetch(il, cand.tolist()))
 
     @staticmethod
     def _trace_read(st: StepTrace, blob) -> None:

@@ -21,6 +21,9 @@ rows only), "decode" (decode rows only) or "mixed".
                                                                        # backend's), misses to the CPU pool or
                                                                        # uploaded; misses from the RAM tier or SSD
      "ple":     [rows, cache_hits],                                    # PLE table rows read, of them from RAM
+     "prefetch": [started, misses, predicted],                         # reads the prefetch started (HostConfig.
+                                                                       # prefetch), the VRAM misses, and of them
+                                                                       # the ones it had predicted
      "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
                  "ssd_hidden_ms": of it behind device, CPU pool or upload work, "ssd_exposed_ms": of it while the
                  driver only waited},
@@ -83,6 +86,7 @@ class StepTrace:
     experts: list = field(default_factory=list)   # (layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes,
                                                   #  ram, ssd)
     ple: list = field(default_factory=lambda: [0, 0])     # [rows, cache hits]
+    prefetch: list = field(default_factory=lambda: [0, 0, 0])     # [reads started, misses, misses predicted]
 
     @property
     def prompt_tokens(self) -> int:
@@ -110,6 +114,13 @@ class StepTrace:
                       fetched_bytes: int, ram: int = 0, ssd: int = 0) -> None:
         self.experts.append((layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes, ram, ssd))
 
+    def prefetch_issued(self, n: int) -> None:
+        self.prefetch[0] += n
+
+    def prefetch_used(self, misses: int, predicted: int) -> None:
+        self.prefetch[1] += misses
+        self.prefetch[2] += predicted
+
     def ple_rows(self, rows: int, hits: int) -> None:
         self.ple[0] += rows
         self.ple[1] += hits
@@ -129,6 +140,7 @@ class StepTrace:
                 "io": [[k, n, _ms(a), _ms(b)] for k, n, a, b in self.io],
                 "cpu": [[l, n, b, _ms(t0), _ms(t1)] for l, n, b, t0, t1 in self.cpu],
                 "experts": [list(e) for e in self.experts], "ple": list(self.ple), "tiers": self.tiers(),
+                "prefetch": list(self.prefetch),
                 "peak_rss": peak_rss_bytes()}
 
     def tiers(self) -> dict:
@@ -281,6 +293,7 @@ class PhaseSummary:
     ple_rows: int = 0             # PLE rows asked, all steps, and of them from the RAM cache
     ple_hits: int = 0
     peak_rss: int = 0             # bytes: the process's high-water mark at the phase's last step
+    prefetch: tuple = (0, 0, 0)   # all steps: reads the prefetch started, VRAM misses, misses it predicted
 
     @property
     def tok_s(self) -> float:
@@ -322,7 +335,8 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
             sum(x[1] for r in rs for x in r["io"] if x[0] == "expert") / n,
             sum(x[1] for r in rs for x in r["io"] if x[0] == "ple") / n,
             io_busy / n, io_host / n, io_exposed / n, sum(p[0] for p in ple), sum(p[1] for p in ple),
-            max((r.get("peak_rss", 0) for r in rs), default=0)))
+            max((r.get("peak_rss", 0) for r in rs), default=0),
+            tuple(sum(r.get("prefetch", (0, 0, 0))[i] for r in rs) for i in range(3))))
     return out
 
 
@@ -368,6 +382,11 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
                      f"{p.ple_ssd_bytes * kb:.1f}); in flight {p.io_ms:.3f} ms/step: hidden behind device, CPU pool "
                      f"or uploads {p.io_busy_ms:.3f} ms ({pct(p.io_busy_ms, p.io_ms)}), behind host work "
                      f"{p.io_host_ms:.3f} ms, exposed {p.io_exposed_ms:.3f} ms")
+        started, misses, predicted = p.prefetch
+        if started:
+            lines.append(f"  prefetch (the previous step's routes): {started / p.steps:.1f} reads started/step, "
+                         f"{pct(predicted, misses)} of the VRAM misses predicted, {pct(predicted, started)} of the "
+                         f"reads used")
         if p.peak_rss:
             lines.append(f"  peak RSS {p.peak_rss / 2**20:.1f} MiB (the process's high-water mark; the page cache "
                          f"is not counted)")
