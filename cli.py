@@ -270,9 +270,10 @@ def _engine_options(g) -> None:
                    help="the RAM tier: expert blobs kept in host memory (an LRU over what was read; the rest is read "
                         "from the file with O_DIRECT as needed); on the cpu backend a budget below the experts' size "
                         "selects that path (default: every expert, at most half the RAM)")
-    g.add_argument("--prefetch", default="off", choices=["previous", "off"],
-                   help="previous: read each layer's experts of the previous step while the layer before runs (the "
-                        "trace reports how many misses it predicted)")
+    g.add_argument("--prefetch", default="off", choices=["previous", "router", "off"],
+                   help="read each layer's likely experts while the layer before runs: the ones it used in the "
+                        "previous step, or its router's top k over the layer before's MoE input (the trace reports "
+                        "how many misses it predicted)")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
     g.add_argument("--step-tokens", type=int, default=512,

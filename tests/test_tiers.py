@@ -433,23 +433,24 @@ def test_cli_tier_flags(capsys):
 
 
 @pytest.mark.asyncio
-async def test_prefetch_reads_the_previous_steps_experts(tiny_gguf, tmp_path):
-    """HostConfig.prefetch="previous": with a RAM tier too small for the experts, each layer's experts of the
-    previous step are read while the layer before runs; the logits are the same as without it, the trace counts the reads it
+@pytest.mark.parametrize("how", ["previous", "router"])
+async def test_prefetch_reads_the_likely_experts(tiny_gguf, tmp_path, how):
+    """HostConfig.prefetch: with a RAM tier too small for the experts, each layer's likely experts (its experts of
+    the previous step, or its router's top k over the layer before's MoE input) are read while the layer before runs; the logits are the same as without it, the trace counts the reads it
     started and the misses it predicted, and every store read is a step's own or one the prefetch started."""
     trace = tmp_path / "t.jsonl"
     budget = 2 * blob_mem(tiny_gguf)                # a step's blobs do not stay: the previous step's are read again
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 500, 24)]
     got = {}
-    for mode in ("off", "previous"):
-        async with Engine(load_model(tiny_gguf), trace=trace if mode == "previous" else None,
+    for mode in ("off", how):
+        async with Engine(load_model(tiny_gguf), trace=trace if mode == how else None,
                           host=HostConfig(host_budget_bytes=budget, prefetch=mode, experts="host",
                                           step_tokens=1)) as e:
             got[mode] = np.asarray(await e.scheduler.score(tokens))     # one token a step: decode's pattern
             s = e.scheduler
-            assert s.prefetch_on == (mode == "previous")
+            assert s.prefetch_on == (mode == how)
             reads = s.store.reads
-    assert np.array_equal(got["previous"], got["off"])
+    assert np.array_equal(got[how], got["off"])
     recs = load(str(trace))
     started, misses, predicted = (sum(r["prefetch"][i] for r in recs) for i in range(3))
     assert started > 0 and 0 < predicted <= min(started, misses)

@@ -87,16 +87,16 @@ class HostConfig:
                                             # backend's max_step_tokens caps it
     prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
                                             # a backend that can copy its state (snapshot / restore) takes them
-    prefetch: str = "off"                   # "previous": while layer l's experts are planned, start reading the
-                                            # experts layer l + 1 used in the previous step (those not in VRAM or
-                                            # RAM); a wrong guess costs a read. Off by default: with the SSD tier on
-                                            # the 2-vCPU VM it predicted 23% of the misses and slowed decode 13%
-                                            # (bench/RESULTS.md)
+    prefetch: str = "off"                   # while layer l's experts are planned, start reading layer l + 1's
+                                            # likely experts (those not in VRAM or RAM): "previous", the ones it
+                                            # used in the previous step; "router", the top k of its router applied
+                                            # to layer l's MoE input; a wrong guess costs a read, never a wrong
+                                            # result. Measured on the 2-vCPU VM: bench/RESULTS.md
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
-        if self.prefetch not in ("previous", "off"):
-            raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous' or 'off'")
+        if self.prefetch not in ("previous", "router", "off"):
+            raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
         if self.step_tokens < 1:
             raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
 
@@ -216,7 +216,7 @@ class Scheduler:
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
-        self.prefetch_on = host.prefetch == "previous"
+        self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # each layer's experts, last step
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
         # a scoring chunk asks logits for every row: the backend may give fewer a step (the CUDA head's buffer)
@@ -670,7 +670,7 @@ class Scheduler:
         be, k = self.backend, self.cfg.n_expert_used
         plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
         if self.prefetch_on:
-            self._prefetch(il + 1, st)
+            self._prefetch(il + 1, route, st)
             self._routed_prev[il] = plan.experts
         pairs = np.diff(plan.offsets)                                 # (U,) rows each expert serves
         hit = np.asarray(be.resident(il, plan.experts), bool)         # (U,)
@@ -737,12 +737,20 @@ class Scheduler:
                          len(miss) - n_ram)
         return plan
 
-    def _prefetch(self, il: int, st: StepTrace) -> None:
-        """Start reading what layer il routed to in the previous step and the backend does not hold: its likely
-        misses of this step, read while the layers before it run."""
-        if il >= self.cfg.n_layer or self._routed_prev[il] is None:
+    def _prefetch(self, il: int, route: Route, st: StepTrace) -> None:
+        """Start reading layer il's likely experts that the backend does not hold, while the layers before it run:
+        those it routed to in the previous step ("previous"), or the top k of its router over the MoE input of
+        the layer before (route.x: "router", the residual stream changes little from one layer to the next)."""
+        if il >= self.cfg.n_layer:
             return
-        cand = self._routed_prev[il]
+        if self.host.prefetch == "router":
+            logits = self.model.weights.layers[il].ffn_gate_inp @ route.x           # (T, n_expert)
+            k = self.cfg.n_expert_used
+            cand = np.unique(np.argpartition(-logits, k - 1, axis=1)[:, :k])
+        elif self._routed_prev[il] is None:
+            return
+        else:
+            cand = self._routed_prev[il]
         cand = cand[~np.asarray(self.backend.resident(il, cand), bool)]
         if cand.size:
             st.prefetch_issued(self.store.prefetch(il, cand.tolist()))

@@ -384,7 +384,7 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
                      f"{p.io_host_ms:.3f} ms, exposed {p.io_exposed_ms:.3f} ms")
         started, misses, predicted = p.prefetch
         if started:
-            lines.append(f"  prefetch (the previous step's routes): {started / p.steps:.1f} reads started/step, "
+            lines.append(f"  prefetch (HostConfig.prefetch): {started / p.steps:.1f} reads started/step, "
                          f"{pct(predicted, misses)} of the VRAM misses predicted, {pct(predicted, started)} of the "
                          f"reads used")
         if p.peak_rss:
