@@ -129,7 +129,11 @@ async def test_truncated_last_pages_under_a_running_engine(copy):
     errors = await _errors(await Engine.open(copy), ("Once upon a time", LONG, cut), ([3, 9, 27], LONG),
                            ("The keeper", LONG), again=True)
     assert len(errors) == 4 and all(r.startswith("Engine") and "truncated" in r for r in errors), errors
-    assert errors[-1].startswith("EngineClosed: the engine stopped")
+    # where the cut lands decides which: inside a backend stage the engine closes (the new request is told it
+    # stopped, and why); between steps the step's check fails those requests and the engine stays open (the new
+    # request fails the same check)
+    assert (errors[-1].startswith("EngineClosed: the engine stopped")
+            or errors[-1].startswith("EngineError") and "truncated" in errors[-1]), errors[-1]
 
 
 @pytest.mark.asyncio
