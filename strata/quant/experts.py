@@ -526,6 +526,15 @@ def _per_expert(w: np.ndarray, n_expert: int, what: str) -> np.ndarray:
     return w
 
 
+def group_by_expert(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ids (T, k) -> (experts (U,) ascending, offsets (U+1,), pairs (P = T*k,)): expert experts[u] serves the flat
+    (row * k + j) pairs[offsets[u]:offsets[u+1]], in row order."""
+    flat = ids.reshape(-1)
+    pairs = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[pairs], return_index=True)
+    return experts.astype(np.int32), np.append(starts, flat.size).astype(np.int64), pairs.astype(np.int64)
+
+
 def expert_batch(gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, ids: np.ndarray, x: np.ndarray,
                  out: np.ndarray | None = None, *, wt_gu: int, wt_d: int, exact: bool = False,
                  n_threads: int | None = None) -> np.ndarray:
@@ -567,15 +576,11 @@ def expert_batch(gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, ids: 
         if w.dtype != np.uint8 or w.shape[1:] != (rows, rb) or w.strides[1:] != (rb, 1):
             raise ValueError(f"{what}: want uint8 experts of ({rows}, {rb}) C-contiguous rows, "
                              f"got {w.dtype} {w.shape} strides {w.strides}")
-    # P = T * k pairs grouped by expert: experts[u] serves the flat pairs[offsets[u]:offsets[u + 1]], in row order
-    flat = ids.reshape(-1)
-    pairs = np.argsort(flat, kind="stable")
-    experts, starts = np.unique(flat[pairs], return_index=True)
-    offsets = np.append(starts, flat.size).astype(np.int64)
+    experts, offsets, pairs = group_by_expert(ids)
     base = np.array([w.__array_interface__["data"][0] for w in (gate, up, down)], np.int64)
     step = np.array([w.strides[0] for w in (gate, up, down)], np.int64)
     addr = (base + experts[:, None] * step).view(np.uint64)    # (U, 3)
-    grouped = np.empty((flat.size, e), F32)                    # (P, E) in the pairs' order
+    grouped = np.empty((ids.size, e), F32)                     # (P, E) in the pairs' order
     expert_batch_rows(addr, x, offsets, pairs // k, grouped, f, wt_gu=wt_gu, wt_d=wt_d, exact=exact,
                       n_threads=n_threads)
     flat_out[pairs] = grouped

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from strata.config import ModelConfig
-from strata.quant.experts import batched, expert_batch
+from strata.quant.experts import batched, expert_batch, group_by_expert   # noqa: F401 (re-exported)
 from strata.reference.common import F32, sigmoid, silu, softmax
 
 
@@ -21,15 +21,6 @@ def route(cfg: ModelConfig, w, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sel = np.take_along_axis(p, ids, axis=1)
     wts = sel / sel.sum(axis=1, keepdims=True, dtype=F32)
     return ids.astype(np.int32), wts.astype(F32)
-
-
-def group_by_expert(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ids (T, k) -> (experts (U,) ascending, offsets (U+1,), pairs (P = T*k,)): expert experts[u] serves the flat
-    (row * k + j) pairs[offsets[u]:offsets[u+1]], in row order."""
-    flat = ids.reshape(-1)
-    pairs = np.argsort(flat, kind="stable")
-    experts, starts = np.unique(flat[pairs], return_index=True)
-    return experts.astype(np.int32), np.append(starts, flat.size).astype(np.int64), pairs.astype(np.int64)
 
 
 def expert_ffn(gate, up, down, x: np.ndarray) -> np.ndarray:
