@@ -125,7 +125,6 @@ class BatchPath:
             self.ple_e = R("b.ple_e", (Tm, cfg.ple_dim))
             self.ple_key = R("b.ple_key_raw", (Tm, cfg.hc_dim))
             self.ple_value = R("b.ple_value", (Tm, E))
-        self.tables: dict[str, object] = {}
         self._ops = self._plan_ops()
 
     def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
@@ -275,7 +274,6 @@ class BatchPath:
     def build(self) -> None:
         """Every bucket's launches; the GEMM job tables' contents (the same for every bucket)."""
         K = self.be.kern
-        uploaded: set[str] = set()
 
         def one(op, rows):
             if op[0] == "k":
@@ -284,7 +282,6 @@ class BatchPath:
             _, name, table, jobs, n_rows = op
             n_rows = n_rows or self.n_T
             launch = kgemm.gemm_launch(lambda n: K.fn("gemm", n), name, table, jobs, n_rows, rows)
-            uploaded.add(name)
             return [launch]
 
         def stages(st, rows):
@@ -292,16 +289,12 @@ class BatchPath:
 
         self.launches = {}
         for b in self.buckets:
-            self.launches[b] = {"begin": stages(self.ops_begin, b),
+            self.launches[b] = {"begin": stages(self._ops["begin"], b),
                                 "pre": [stages(x, b) for x in self._ops["pre"]],
                                 "post": [stages(x, b) for x in self._ops["post"]]}
             if self.be.experts == "vram":
                 self.launches[b]["pre_tok"] = [stages(x, b) for x in self._ops["pre_tok"]]
         self.head = stages(self._ops["head"], self.logit_rows)
-
-    @property
-    def ops_begin(self):
-        return self._ops["begin"]
 
     def capture(self) -> None:
         be = self.be
