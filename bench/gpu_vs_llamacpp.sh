@@ -7,12 +7,7 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 config=${1:?vram or budget24}; shift
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1 STRATA_CACHE="$PWD/.cache"
+source bench/gpu_env.sh || exit 1
 bin=/tmp/llama-bench
 if [ ! -x $bin ]; then
     xz -dc .llama/llama-bench.xz > $bin && chmod +x $bin || exit 1
