@@ -217,7 +217,7 @@ class Scheduler:
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
         self.prefetch_on = host.prefetch != "off"
-        self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # each layer's experts, last step
+        self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
         # a scoring chunk asks logits for every row: the backend may give fewer a step (the CUDA head's buffer)
         self.logit_rows = getattr(backend, "max_logit_rows", None) or self.step_tokens
@@ -671,7 +671,8 @@ class Scheduler:
         plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
         if self.prefetch_on:
             self._prefetch(il + 1, route, st)
-            self._routed_prev[il] = plan.experts
+            if self.host.prefetch == "previous":
+                self._routed_prev[il] = plan.experts
         pairs = np.diff(plan.offsets)                                 # (U,) rows each expert serves
         hit = np.asarray(be.resident(il, plan.experts), bool)         # (U,)
         self.cache.record(il, plan.experts, hit, pairs)
