@@ -56,6 +56,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ple-cache-mib", type=float, default=64.0, help="the PLE hot-row cache")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens measured")
     p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up request")
+    p.add_argument("--prefill", type=int, default=512,
+                   help="then a prompt of this many random tokens, timed to its first token (0: none)")
+    p.add_argument("--step-tokens", type=int, default=512, help="prompt rows per step (HostConfig.step_tokens)")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU expert pool threads (default: one per core)")
     p.add_argument("--io-threads", type=int, default=32, help="reads in flight at once (default 32)")
     p.add_argument("--buffered", action="store_true", help="buffered preads (the page cache) instead of O_DIRECT")
@@ -142,7 +145,8 @@ async def one(c: dict) -> dict:
                       experts=("mapped" if c["backend"] == "cpu" else "vram") if mapped else "host",
                       host_budget_bytes=None if budget in ("all", "mapped") else int(float(budget) * GIB),
                       ple_cache_bytes=int(c["ple_cache_mib"] * MIB), direct_io=not c["buffered"],
-                      io_threads=c["io_threads"])
+                      io_threads=c["io_threads"], step_tokens=c["step_tokens"],
+                      max_ctx=max(8192, -(-(c["prefill"] + 64) // 1024) * 1024), prefix_cache_bytes=0)
     lines: list[str] = []
     t0 = time.perf_counter()
     async with await Engine.open(c["model"], backend=c["backend"], host=host, trace=c["trace"],
@@ -156,11 +160,29 @@ async def one(c: dict) -> dict:
         times = []
         async for _ in e.generate(PROMPTS[1], SamplingParams(max_tokens=c["tokens"], stop_at_eos=False)):
             times.append(time.perf_counter())
+        prefill_s = None
+        if c["prefill"]:
+            rng = np.random.default_rng(5)
+            prompt = rng.integers(300, e.cfg.n_vocab - 300, c["prefill"]).tolist()
+            t1 = time.perf_counter()
+            async for _ in e.generate(prompt, SamplingParams(max_tokens=1, stop_at_eos=False)):
+                prefill_s = time.perf_counter() - t1
+                break
         store = {"budget_gib": s.store.budget / GIB, "held_gib": s.store.bytes / GIB,
                  "peak_live_gib": s.store.peak_live_bytes / GIB, "mode": s.store.file.mode}
     recs = load(c["trace"])
-    measured = max(row[0] for r in recs for row in r["rows"])
-    d = next(p for p in summarize([r for r in recs if r["rows"][0][0] == measured]) if p.phase == "decode")
+    ids = sorted({row[0] for r in recs for row in r["rows"]})     # the warm-up, the decode, the prefill
+    d = next(p for p in summarize([r for r in recs if r["rows"][0][0] == ids[1]]) if p.phase == "decode")
+    pre = {}
+    if prefill_s is not None:
+        steps = [r for r in recs if r["rows"][0][0] == ids[2] and r["kind"] == "prefill"]
+        p = next(p for p in summarize(steps) if p.phase == "prefill")
+        modes = [r.get("experts_mode", "split") for r in steps]
+        pre = {"prefill_tok_s": c["prefill"] / prefill_s, "prefill_steps": len(steps),
+               "prefill_modes": {m: modes.count(m) for m in sorted(set(modes))},
+               "prefill_ssd_gb": p.io_bytes * p.steps / 1e9, "prefill_hidden": p.io_busy_ms / p.io_ms if p.io_ms else 0.0,
+               "prefill_step_ms": p.ms["total"],
+               "prefill_parts_ms": {k: round(v, 1) for k, v in sorted(p.ms.items(), key=lambda kv: -kv[1]) if v >= 1}}
     dec = (times[-2] - times[0]) / (len(times) - 2)            # between generated tokens (the last is the finish)
     distinct = d.hits + d.ram_hits + d.ssd_reads
     ssd_bytes = d.io_bytes * d.steps
@@ -176,16 +198,28 @@ async def one(c: dict) -> dict:
             "read_mb_s": ssd_bytes / (d.io_ms * d.steps * 1e-3) / 1e6 if d.io_ms else 0.0,
             "hidden": d.io_busy_ms / d.io_ms if d.io_ms else 0.0,
             "exposed_ms_token": d.io_exposed_ms * d.steps / d.tokens,
-            "peak_rss": peak_rss_bytes(), "store": store}
+            "peak_rss": peak_rss_bytes(), "store": store, **pre}
+
+
+def drop_caches(path: str) -> None:
+    """The file's pages out of the page cache, and the whole page cache where this process may (root)."""
+    drop_file_cache(path)
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        pass
 
 
 def run_child(a: argparse.Namespace, budget: str) -> dict:
-    drop_file_cache(a.model)
+    drop_caches(a.model)
     with tempfile.NamedTemporaryFile(prefix="strata-tiers-", suffix=".jsonl", delete=False) as t:
         trace = t.name
     c = {"model": a.model, "backend": a.backend, "vram_budget_gib": a.vram_budget_gib, "budget": budget,
          "ple_cache_mib": a.ple_cache_mib, "tokens": a.tokens, "warmup": a.warmup, "cpu_threads": a.cpu_threads,
-         "io_threads": a.io_threads, "buffered": a.buffered, "trace": trace}
+         "io_threads": a.io_threads, "buffered": a.buffered, "trace": trace, "prefill": a.prefill,
+         "step_tokens": a.step_tokens}
     try:
         r = subprocess.run([sys.executable, __file__, "--model", a.model, "--child", json.dumps(c)],
                            capture_output=True, text=True)
@@ -240,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['ssd']:5.1f}% {100 * r['ple_hit']:6.1f}% {r['ssd_kb_token']:10.1f} "
               f"{r['expert_kb_token']:9.1f} {r['ple_kb_token']:6.1f} {r['read_mb_s']:9.1f} {100 * r['hidden']:6.1f}% "
               f"{r['exposed_ms_token']:6.2f}ms {r['peak_rss'] / MIB:7.1f}Mi")
+    for r in out["configs"]:
+        if "prefill_tok_s" in r:
+            print(f"  [{r['budget']}] prefill {a.prefill} tokens: {r['prefill_tok_s']:.1f} tok/s, {r['prefill_steps']} steps "
+                  f"{r['prefill_modes']}, {r['prefill_step_ms']:.0f} ms a step, SSD {r['prefill_ssd_gb']:.2f} GB "
+                  f"({100 * r['prefill_hidden']:.0f}% hidden); per step ms: {r['prefill_parts_ms']}")
     for r in out["configs"]:
         st = r["store"]
         print(f"  [{r['budget']}] {r['open_line']}; RAM tier held {st['held_gib'] * 1024:.1f} MiB of "

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# llama-bench with CUDA, built on the GPU machine from the llama.cpp source carried at .llama/llama-src.tar.xz
+# (llama-cpp-python 0.3.36's vendor/llama.cpp, trimmed): Hopper only, static libraries, the host CPU's own
+# instructions (the --n-cpu-moe runs compute experts on it). Writes .llama/llama-bench.xz, and with $OUT set a copy
+# there in parts of at most 15 MiB (the device tool brings back files of up to 16 MiB): join them with cat.
+#   bash bench/build_llama.sh          (JOBS=N compile jobs, default one per core)
+set -o pipefail
+cd "$(dirname "$0")/.."
+src=/tmp/llama-src build=/tmp/llama-build
+if [ ! -d $src/llama.cpp ]; then
+    mkdir -p $src && tar xJf .llama/llama-src.tar.xz -C $src || exit 1
+fi
+t0=$(date +%s)
+cmake -S $src/llama.cpp -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    > /tmp/llama-cmake.log 2>&1 || { tail -40 /tmp/llama-cmake.log; exit 1; }
+cmake --build $build --target llama-bench -j "${JOBS:-$(nproc)}" > /tmp/llama-build.log 2>&1 \
+    || { grep -m5 -B2 -A8 "error" /tmp/llama-build.log; tail -20 /tmp/llama-build.log; exit 1; }
+bin=$build/bin/llama-bench
+echo "llama-bench built in $(( $(date +%s) - t0 )) s: $(du -h $bin | cut -f1)"
+xz -T0 -6 -c $bin > .llama/llama-bench.xz || exit 1
+echo ".llama/llama-bench.xz: $(du -h .llama/llama-bench.xz | cut -f1)"
+if [ -n "${OUT:-}" ]; then
+    split -b 15M -d .llama/llama-bench.xz "$OUT/llama-bench.xz.part"
+fi

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 16 on the GPU machine: the tier benchmark (bench_tiers.py) cold, CUDA backend, 24 GiB VRAM budget, on a file
+# made here (the disk holds one flash file at a time: the others are deleted first). Logs and JSON to $OUT.
+#   bash bench/gpu_tiers.sh realistic|uniform [budgets, default 8,16,32]
+#   bash bench/gpu_tiers.sh ple          (flash's 4 first layers' geometry with the full 28.8 GB PLE table)
+# Env: TOKENS (decode tokens measured, 32), PREFILL (prompt tokens, 512), STEP (rows a step, 512).
+set -o pipefail
+cd "$(dirname "$0")/.."
+what=${1:?realistic, uniform or ple}
+budgets=${2:-8,16,32}
+source bench/gpu_env.sh || exit 1
+mkdir -p models
+case $what in
+    realistic|uniform) model=models/flash-$what.gguf ;;
+    ple) model=models/flash-ple.gguf; budgets=${2:-all} ;;
+    *) echo "unknown: $what"; exit 2 ;;
+esac
+for f in models/flash*.gguf; do [ -f "$f" ] && [ "$f" != "$model" ] && rm -f "$f"; done
+if [ ! -f $model ]; then
+    t0=$(date +%s)
+    if [ $what = ple ]; then
+        python3 -c "from strata.model.synth import make_model; make_model('flash', '$model', overrides={'n_layer': 4})" \
+            2>&1 | tail -1 || exit 1
+    else
+        python3 cli.py make-model $model --preset flash --ple-base 2000000 --routing $what 2>&1 | tail -1 || exit 1
+    fi
+    echo "made $model in $(( $(date +%s) - t0 )) s: $(du -h $model | cut -f1)"
+fi
+python3 bench/bench_tiers.py --model $model --backend cuda --vram-budget-gib 24 --host-budgets "$budgets" \
+    --tokens "${TOKENS:-32}" --prefill "${PREFILL:-512}" --step-tokens "${STEP:-512}" \
+    --json "${OUT:-/tmp}/tiers_$what.json" 2>&1 | tee "${OUT:-/tmp}/tiers_$what.log"
