@@ -51,7 +51,8 @@ def _host(a):
     host = None if a.host_budget_gib is None else int(a.host_budget_gib * (1 << 30))
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host,
-                      ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch, **ctx)
+                      ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch,
+                      stream_experts=a.stream_experts, **ctx)
 
 
 def _log(line: str) -> None:
@@ -274,6 +275,11 @@ def _engine_options(g) -> None:
                    help="read each layer's likely experts while the layer before runs: the ones it used in the "
                         "previous step, or its router's top k over the layer before's MoE input (the trace reports "
                         "how many misses it predicted)")
+    g.add_argument("--stream-experts", default="auto", choices=["auto", "always", "never"],
+                   help="experts in host memory, a step of several rows (a prompt chunk): copy every expert a layer "
+                        "lacks in VRAM through a double buffer while the layer before computes, instead of splitting "
+                        "the misses between the CPU pool and uploads; auto: when the measured costs say it is "
+                        "faster (the trace says which each step used)")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
     g.add_argument("--step-tokens", type=int, default=512,

@@ -406,6 +406,58 @@ def test_scheduler_batched_prefill(case):
     _check(f"{spec.name} scheduler batched", out, ref)
 
 
+def test_scheduler_streamed_prefill(case):
+    """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
+    the stream buffers while the layer before runs, the cache's experts (filled by one-row steps first) used in
+    place and left as they were; every position against transformers, and against the split path (CPU pool and
+    uploads) within 1e-5; the device timed every layer's copies."""
+    import asyncio
+
+    from strata.host.scheduler import HostConfig, Scheduler
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for streamed steps")
+    cfg = model.cfg
+    probe = CudaBackend(model, experts="host", max_ctx=128, step_tokens=24, log=print)
+    budget = probe.A.total + (4 * cfg.n_expert + 6) * probe.slot_bytes + (2 << 20)
+    probe.close()
+
+    def run(mode: str):
+        be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=24, log=print)
+        assert be.stream_slots() == cfg.n_expert and be.expert_slots() >= 6
+        opened, times = [], []
+        real_open, real_times = be.stream_open, be.stream_times
+        be.stream_open = lambda layer: (opened.append(layer), real_open(layer))[1]
+        be.stream_times = lambda: times.append(real_times()) or times[-1]
+
+        async def go():
+            sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts=mode))
+            try:
+                head = await sched.score(tokens[:6])              # one-row steps: the cache fills
+                cached = dict(be._slot_of)
+                sched.step_tokens = sched.logit_rows = 24
+                rest = await sched.score(tokens)                  # a fresh sequence, in chunks of 24
+                return head, rest, cached
+            finally:
+                await sched.aclose()
+        try:
+            head, rest, cached = asyncio.run(go())
+            assert be._slot_of == cached or mode == "never"       # a streamed prompt evicts nothing
+        finally:
+            be.close()
+        return np.asarray(rest), opened, times, cached
+    streamed, opened, times, cached = run("always")
+    split, opened_split, _, _ = run("never")
+    _check(f"{spec.name} streamed prefill", streamed, ref)
+    assert rel_err(streamed, ref).max() <= 1e-4
+    assert rel_err(streamed, split).max() <= 1e-5
+    assert cached and not opened_split and len(opened) == cfg.n_layer * len(times)
+    for t in times:
+        assert [x[0] for x in t] == list(range(cfg.n_layer))
+        assert all(x[1] == cfg.n_expert - sum(1 for (l, _) in cached if l == x[0]) for x in t)
+        assert all(x[3] > 0 for x in t)
+
+
 def test_prefix_reuse_over_cuda(case):
     """Prefix reuse on the GPU (snapshot / restore of the device state): a prompt, then the same prompt and 7 more
     tokens resumed from its snapshot; the resumed logits against a run with no snapshots (the chunking differs

@@ -235,20 +235,31 @@ async def test_budgets_hold_and_memory_is_accounted(tiny_gguf):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("where", ["expert", "ple", "ple-ahead"])
+@pytest.mark.parametrize("where", ["expert", "expert-stream", "ple", "ple-ahead"])
 @pytest.mark.parametrize("direct", [True, False])
 async def test_read_error_ends_the_affected_streams(where, direct, tiny_gguf, monkeypatch):
-    """An EIO on an expert read (the SSD tier under the CPU pool), a PLE row read, or a prompt's PLE rows read a
-    step ahead: every stream of the step that needed it ends with an EngineError naming the file and the read,
-    the store forgets the failed read, and the engine serves the same tokens as before."""
-    e = await Engine.open(tiny_gguf, host=HostConfig(host_budget_bytes=0, ple_cache_bytes=0, direct_io=direct,
-                                                     step_tokens=4))
+    """An EIO on an expert read (the SSD tier under the CPU pool, or under a streamed prompt chunk), a PLE row
+    read, or a prompt's PLE rows read a step ahead: every stream of the step that needed it ends with an
+    EngineError naming the file and the read, the store forgets the failed read, and the engine serves the same
+    tokens as before."""
+    host = HostConfig(host_budget_bytes=0, ple_cache_bytes=0, direct_io=direct, step_tokens=4,
+                      stream_experts="always" if where == "expert-stream" else "never")
+    if where == "expert-stream":          # the CPU twin of streamed prompt chunks
+        model = load_model(tiny_gguf)
+        e = Engine(model, backend=CpuBackend(model, stream=True), host=host)
+    else:
+        e = await Engine.open(tiny_gguf, host=host)
     prompts = [[3, 17, 500, 42, 99, 7, 311, 12, 260, 5, 88, 401, 23], [3, 500, 9, 9, 41]]
     try:
         s = e.scheduler
         assert s.store.file.direct == s.ple.file.direct == direct
+        opened = []
+        if where == "expert-stream":
+            real_open = e.backend.stream_open
+            e.backend.stream_open = lambda layer: (opened.append(layer), real_open(layer))
         expected = [await tokens_of(e, p) for p in prompts]
-        mod = experts_mod if where == "expert" else ple_io
+        assert bool(opened) == (where == "expert-stream")
+        mod = experts_mod if where.startswith("expert") else ple_io
         real = mod.pread_into
         fail = {"on": where != "ple-ahead"}
 

@@ -348,7 +348,7 @@ class CudaBackend:
         self.expert_job = [self.A.reserve(f"blk.{il}.moe_job", (kmoe.MOE_JOB_DTYPE.itemsize,), U8)
                            for il in range(cfg.n_layer)]
         if self.experts == "vram":
-            self.n_slots = 0
+            self.n_slots = self.n_stream = 0
             for il, lw in enumerate(W.layers):
                 p = f"blk.{il}."
                 down = self._mat(p + "ffn_down_exps", lw.ffn_down_exps)
@@ -376,15 +376,20 @@ class CudaBackend:
                            max(al(E * device_row_bytes(t[2], Fn)) for t in types))
         self.slot_bytes = sum(self.slot_parts)
         room = 0 if budget is None else budget - fixed - (1 << 20)     # 1 MiB for the job tables planned next
+        # a batched step may stream its experts (stream_open): two buffers of a layer's experts, alternating by
+        # layer, after the cache's slots; only where they take at most half the room (the cache is decode's)
+        self.n_stream = cfg.n_expert if self.batch is not None and 4 * cfg.n_expert * self.slot_bytes <= room else 0
+        room -= 2 * self.n_stream * self.slot_bytes
         self.n_slots = int(max(0, min(room // self.slot_bytes, cfg.n_layer * cfg.n_expert)))
         # one slot even with none to hand out: the job tables need a valid base (every slot id is then -1)
-        slots = self.A.reserve("expert_slots", (max(self.n_slots, 1) * self.slot_bytes,), U8)
+        n_all = max(self.n_slots + 2 * self.n_stream, 1)
+        slots = self.A.reserve("expert_slots", (n_all * self.slot_bytes,), U8)
         self.slot_buf = slots
         og, ou = 0, self.slot_parts[0]
         od = ou + self.slot_parts[1]
         st = (self.slot_bytes,) * 3
         for tg, tu, td in types:
-            n = max(self.n_slots, 1)
+            n = n_all
             self.banks.append(kmoe.ExpertBank(
                 DevMat(slots, int(tg), Fn, E, device_row_bytes(tg, E), n), og,
                 DevMat(slots, int(tu), Fn, E, device_row_bytes(tu, E), n), ou,
@@ -442,6 +447,37 @@ class CudaBackend:
             self.ev_loads = [drv.Event() for _ in range(LOAD_EVENTS)]
             self.loads_turn = 0
             self._inflight: list[object] = [None] * LOAD_EVENTS       # what each event's copies read
+            # streamed steps: the copies of layer l start once post[l - 2] is done (ev_post_done, per parity) and
+            # post[l] waits for their end (ev_s1[l]); ev_s0 and ev_m time the copies and what post[l] waited
+            n = cfg.n_layer if self.n_stream else 0
+            self.ev_begin = drv.Event()
+            self.ev_post_done = [drv.Event(), drv.Event()]
+            self.ev_s0, self.ev_s1, self.ev_m = ([drv.Event(timing=True) for _ in range(n)] for _ in range(3))
+            self._stream: list[dict | None] = [None, None]
+            self._stream_keep: list[tuple] = []
+            self._stream_log: list[tuple] = []
+            self._posted = -1
+            self.h2d_bytes_per_s = self._measure_h2d()
+
+    def _measure_h2d(self) -> float:
+        """Bytes a second of a copy from pinned memory into the expert slots (the best of three 64 MiB copies;
+        the slots hold nothing yet): the host's cost model prices uploads and streams with it."""
+        n = min(64 << 20, self.slot_buf.nbytes)
+        h = drv.HostBuffer(n, what="upload rate probe")
+        a, b = drv.Event(timing=True), drv.Event(timing=True)
+        try:
+            best = 0.0
+            for _ in range(3):
+                a.record(self.side)
+                drv.memcpy_htod_async(self.slot_buf.ptr, h.ptr, n, self.side, "upload rate probe")
+                b.record(self.side)
+                b.synchronize("upload rate probe")
+                best = max(best, n / max(b.elapsed_ms(a) * 1e-3, 1e-9))
+            return best
+        finally:
+            a.destroy()
+            b.destroy()
+            h.free()
 
     # ---- the launches, stage by stage -------------------------------------------------------------------
     def _plan_launches(self) -> None:
@@ -688,6 +724,10 @@ class CudaBackend:
         if step.T > 1:
             self._stage_rows(seq, step, "begin")
             self.batch.run("begin", self.batch.bucket(step.T))
+            if self.n_stream:
+                self._release_streamed(wait=True)       # a failed step's copies may still be in flight
+                self.ev_begin.record(self.stream)
+                self._stream, self._stream_log, self._posted = [None, None], [], -1
             seq.phase, seq.layer = "begun", -1
             return
         self._stage_token(seq, int(step.tokens[0]), None, "begin")
@@ -834,16 +874,9 @@ class CudaBackend:
             raise BackendError(f"load_expert: slot {slot} of {self.n_slots}")
         if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
-        fg, fu, fd = self.file_types[layer]
-        E, Fn = cfg.n_embd, cfg.n_ff_exp
-        try:
-            parts = (device_rows(gate, fg, Fn, E), device_rows(up, fu, Fn, E), device_rows(down, fd, E, Fn))
-        except ValueError as e:
-            raise BackendError(f"load_expert: layer {layer} expert {expert}: {e}") from None
-        if all(self.cells.owns(p) and p.flags.c_contiguous for p in parts):   # pinned and in device format
-            self._load_direct(layer, expert, slot, parts)
-        else:
-            self._load_staged(layer, expert, slot, parts)
+        parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
+        self._copy_into(slot, parts, f"expert {layer}.{expert} -> slot {slot}", after_launches=True)
+        self._loaded.append(parts)                      # kept (a blob's cell) until the copies are done
         old = self._owner[slot]
         if old is not None:
             del self._slot_of[old]
@@ -876,15 +909,31 @@ class CudaBackend:
         self._inflight[i], self._loaded = self._loaded, []
         self.loads_turn = (i + 1) % LOAD_EVENTS
 
-    def _load_direct(self, layer: int, expert: int, slot: int, parts) -> None:
-        self._side_after_launches()
-        base = self.slot_buf.ptr + slot * self.slot_bytes
-        for rows, at in zip(parts, (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])):
-            drv.memcpy_htod_async(base + at, rows.ctypes.data, rows.nbytes, self.side,
-                                  f"expert {layer}.{expert} -> slot {slot}")
-        self._loaded.append(parts)                      # keeps the blob's cell until the copies are done
+    def _device_parts(self, layer: int, expert: int, gate, up, down, call: str) -> tuple:
+        cfg = self.cfg
+        fg, fu, fd = self.file_types[layer]
+        E, Fn = cfg.n_embd, cfg.n_ff_exp
+        try:
+            return device_rows(gate, fg, Fn, E), device_rows(up, fu, Fn, E), device_rows(down, fd, E, Fn)
+        except ValueError as e:
+            raise BackendError(f"{call}: layer {layer} expert {expert}: {e}") from None
 
-    def _load_staged(self, layer: int, expert: int, slot: int, parts) -> None:
+    def _copy_into(self, slot: int, parts, what: str, after_launches: bool) -> None:
+        """The expert's three parts into slot `slot` on the side stream: straight from a pinned cell in device
+        format, else through a pinned staging buffer. after_launches: the copy waits for every launch so far
+        (a cache slot that one of them may read); a stream slot's wait is stream_open's."""
+        if all(self.cells.owns(p) and p.flags.c_contiguous for p in parts):   # pinned and in device format
+            if after_launches:
+                self._side_after_launches()
+            base = self.slot_buf.ptr + slot * self.slot_bytes
+            at = (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])
+            src = [rows.ctypes.data for rows in parts]
+            if src[1] - src[0] == at[1] and src[2] - src[0] == at[2]:       # laid out as the slot is: one copy
+                drv.memcpy_htod_async(base, src[0], at[2] + parts[2].nbytes, self.side, what)
+                return
+            for rows, a, p in zip(parts, at, src):
+                drv.memcpy_htod_async(base + a, p, rows.nbytes, self.side, what)
+            return
         i = self.load_turn
         if self.load_used[i]:
             self.ev_load[i].synchronize("expert staging reuse")
@@ -893,13 +942,93 @@ class CudaBackend:
         for rows, room in zip(parts, self.slot_parts):
             buf.array(U8, rows.shape, off)[:] = rows
             off += room
-        self._side_after_launches()
-        drv.memcpy_htod_async(self.slot_buf.ptr + slot * self.slot_bytes, buf.ptr, self.slot_bytes, self.side,
-                              f"expert {layer}.{expert} -> slot {slot}")
+        if after_launches:
+            self._side_after_launches()
+        drv.memcpy_htod_async(self.slot_buf.ptr + slot * self.slot_bytes, buf.ptr, self.slot_bytes, self.side, what)
         self.ev_load[i].record(self.side)
-        self._loaded.append(None)
         self.load_used[i] = True
         self.load_turn = (i + 1) % LOAD_STAGING
+
+    # ---- streamed experts (a batched step under a VRAM budget) -------------------------------------------------
+    def stream_slots(self) -> int:
+        """Experts of one layer a step may stream (two such buffers, alternating by layer); 0: none."""
+        return self.n_stream
+
+    @_guarded
+    def stream_open(self, layer: int) -> None:
+        """Layer `layer`'s stream buffer takes copies from now on: the side stream first waits for post[layer - 2]
+        (its buffer's last reader; the step's begin for layers 0 and 1)."""
+        seq = self._seq_of_step("stream_open")
+        self._check_seq(seq, "stream_open", "begun", "pre", "routed", "post")
+        if not self.n_stream:
+            raise BackendError("stream_open: no stream buffers (experts='vram', one-row steps only, or a budget "
+                               "without room for two layers' experts)")
+        if self.cur.T < 2:
+            raise BackendError("stream_open: streaming is for a step of several rows")
+        if not 0 <= layer < self.cfg.n_layer:
+            raise BackendError(f"stream_open: layer {layer} does not exist")
+        p, old = layer % 2, self._stream[layer % 2]
+        if old is not None and (old["open"] or old["layer"] >= layer):
+            raise BackendError(f"stream_open({layer}): layer {old['layer']}'s stream is "
+                               f"{'open' if old['open'] else 'newer'}")
+        if layer >= 2:
+            if self._posted < layer - 2:
+                raise BackendError(f"stream_open({layer}): post[{layer - 2}], the last reader of its buffer, is not "
+                                   f"launched")
+            self.side.wait(self.ev_post_done[p])
+        else:
+            self.side.wait(self.ev_begin)
+        self._release_streamed(wait=False)
+        self.ev_s0[layer].record(self.side)
+        self._stream[p] = {"layer": layer, "slots": {}, "open": True, "bytes": 0, "keep": []}
+
+    @_guarded
+    def stream_expert(self, layer: int, expert: int, gate, up, down) -> None:
+        s = self._stream[layer % 2] if self.n_stream else None
+        if s is None or s["layer"] != layer or not s["open"]:
+            raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
+        if not 0 <= expert < self.cfg.n_expert or expert in s["slots"]:
+            raise BackendError(f"stream_expert: expert {expert} of layer {layer} (out of range or streamed twice)")
+        if (layer, expert) in self._slot_of:
+            raise BackendError(f"stream_expert: expert {expert} of layer {layer} is in the cache; a step streams "
+                               f"only what its layers lack")
+        parts = self._device_parts(layer, expert, gate, up, down, "stream_expert")
+        slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
+        self._copy_into(slot, parts, f"expert {layer}.{expert} -> stream slot {slot}", after_launches=False)
+        s["slots"][expert] = slot
+        s["keep"].append(parts)
+        s["bytes"] += sum(x.nbytes for x in parts)
+
+    @_guarded
+    def stream_close(self, layer: int) -> None:
+        s = self._stream[layer % 2] if self.n_stream else None
+        if s is None or s["layer"] != layer or not s["open"]:
+            raise BackendError(f"stream_close: layer {layer}'s stream is not open")
+        self.ev_s1[layer].record(self.side)
+        s["open"] = False
+        self._stream_keep.append((self.ev_s1[layer], s.pop("keep")))   # the blobs live until their copies are done
+        self._stream_log.append((layer, len(s["slots"]), s["bytes"]))
+
+    def _release_streamed(self, wait: bool) -> None:
+        """Drop the blobs of stream copies that are done (all of them, waiting, with wait)."""
+        left = []
+        for ev, keep in self._stream_keep:
+            if wait:
+                ev.synchronize("streamed expert copies")
+            elif not ev.query("streamed expert copies"):
+                left.append((ev, keep))
+        self._stream_keep = left
+
+    def stream_times(self) -> list[tuple[int, int, int, float, float]]:
+        """After a streamed step's head: (layer, experts, bytes, copy_ms, exposed_ms) per layer, the device's
+        time from the copies' start (their buffer free) to their end, and of it the part after post[layer]
+        reached its wait for them."""
+        out = []
+        for layer, n, nbytes in self._stream_log:
+            copy = self.ev_s1[layer].elapsed_ms(self.ev_s0[layer])
+            exposed = max(0.0, self.ev_s1[layer].elapsed_ms(self.ev_m[layer]))
+            out.append((layer, n, nbytes, copy, exposed))
+        return out
 
     @_guarded
     def launch_post(self, plan: ExpertPlan) -> None:
@@ -950,17 +1079,29 @@ class CudaBackend:
                                    "host computed some")
         else:
             slot_of = np.full(cfg.n_expert, -1, I32)
+            s = self._stream[layer % 2] if self.n_stream else None
+            s = s if s is not None and s["layer"] == layer else None
+            if s is not None and s["open"]:
+                raise BackendError(f"launch_post: layer {layer}'s stream is open (stream_close first)")
+            streamed = s["slots"] if s is not None else {}
             for e in plan.experts[plan.resident]:
                 slot = self._slot_of.get((layer, int(e)))
+                slot = streamed.get(int(e)) if slot is None else slot
                 if slot is None:
                     raise BackendError(f"launch_post: expert {int(e)} of layer {layer} is marked resident but is "
-                                       f"in no cache slot")
+                                       f"in no cache slot and was not streamed")
                 slot_of[e] = slot
             self._loads_before_post()
+            if s is not None:                           # post[layer] runs after its experts' copies
+                self.ev_m[layer].record(self.stream)
+                self.stream.wait(self.ev_s1[layer])
             self.batch.stage_post(layer, slot_of, plan.parts, plan.mask)
         self.batch.run("post", self.batch.bucket(self.cur.T), layer)
         if self.experts == "host":
             self._mark_needed = True
+            if self.n_stream:                           # the end of the last read of this layer's stream buffer
+                self.ev_post_done[layer % 2].record(self.stream)
+                self._posted = layer
         seq.phase = "post"
 
     @_guarded
@@ -1116,6 +1257,7 @@ class CudaBackend:
     def close(self) -> None:
         try:
             self.stream.synchronize("close")
+            self.side.synchronize("close")          # uploads and streamed copies read the pinned cells freed below
         finally:
             for g in self._g.values():
                 for x in (g if isinstance(g, list) else [("", g)]):

@@ -14,6 +14,14 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
     expert_slots() -> int             how many experts fit the backend's expert cache (0: none)
     load_expert(l, e, slot, g, u, d)  copy expert e of layer l (its three raw weight slices) into a cache slot,
                                       replacing whatever the slot held; the host's cache policy picks the slot
+    stream_slots() -> int             optional: how many experts of one layer a step may stream (0: none); then
+    stream_open(l)                    per layer of a step of several rows, in layer order: layer l's stream buffer
+    stream_expert(l, e, g, u, d)      (two buffers, alternating by layer) takes experts copied while the layer
+    stream_close(l)                   before computes; opened once post[l - 2] (its buffer's last reader) is
+                                      launched; launch_post(l) computes the streamed experts where its plan marks
+                                      them resident (with the cache's), after the copies
+    stream_times()                    after a streamed step: [(layer, experts, bytes, copy_ms, exposed_ms)], the
+                                      device's copy time per layer and how much of it post[l] waited for
     launch_post(plan)                 start post[plan.layer] with the host's expert outputs (ExpertPlan); the next
                                       launch (pre[l+1] or the head) follows it on the device in order, so the host
                                       never waits for a post: the next doorbell says it is done
@@ -32,7 +40,8 @@ The scheduler never touches device memory and never blocks on the device: it pol
 stream. `CpuBackend` runs the numpy reference stages on one worker thread, with a future as the doorbell.
 What strata.host.scheduler relies on: every call comes from one thread (its event loop's); a Route's arrays are
 read before launch_post of the same layer; a plan's parts are a fresh array per launch_post, never touched again
-by the host; load_expert's wall time is what the host's cost model counts as an upload; a step whose stages did
+by the host; load_expert's wall time plus the blob's bytes at h2d_bytes_per_s (a backend attribute, optional) is
+what the host's cost model counts as an upload; a step whose stages did
 not all run (the host failed between them) leaves its sequences unusable: the scheduler frees them.
 """
 
@@ -45,6 +54,8 @@ from typing import Protocol
 import numpy as np
 
 from strata.config import ModelConfig
+from strata.host.experts import ExpertLayout, compute_experts
+from strata.quant.experts import max_threads
 from strata.model.loader import Model
 from strata.reference.gdn import GdnState
 from strata.reference.model import Batch, PreOut, RefModel, SeqState, StageDump
@@ -172,12 +183,26 @@ def _state_bytes(st: SeqState) -> int:
             + (0 if st.ple is None else st.ple.hist.nbytes))
 
 
+class _Copy:
+    """A streamed expert's three slices, copied (the CPU twin of a stream buffer's slot) with their addresses."""
+
+    def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
+        self.gate, self.up, self.down = (np.array(v, copy=True, order="C") for v in (gate, up, down))
+        self.addr = tuple(v.__array_interface__["data"][0] for v in (self.gate, self.up, self.down))
+        self.nbytes = self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
 class CpuBackend:
     """The numpy reference as a device: its stages run in launch order on one worker thread (a stream); the future
     of a stage is its doorbell.
 
     experts="host": no expert is resident: every routed expert is the host's work (the scheduler's CPU pool over its
-    expert store), the CPU twin of an empty VRAM cache. experts="mapped": every expert is resident: post computes
+    expert store), the CPU twin of an empty VRAM cache. With stream=True a step of several rows may also stream
+    them (stream_open .. stream_close): the CPU twin of CudaBackend's stream buffers, copies of the blobs kept per
+    layer parity that post computes with the CPU pool's compiled batch, the double buffer's protocol checked. The
+    engine leaves it off on the CPU: the pool computes the same experts without the copies, and the cost model's
+    stream estimate (copy time only, the device's compute being a GPU's) would not see that.
+    experts="mapped": every expert is resident: post computes
     the layer's routed experts itself from the mapped file, in one compiled batch (the CPU twin of
     CudaBackend(experts="vram")), so a layer's experts cost no host work and no hand-off to the pool.
     """
@@ -186,7 +211,7 @@ class CpuBackend:
     max_seqs = None
     max_step_tokens = None
 
-    def __init__(self, model: Model, experts: str = "host"):
+    def __init__(self, model: Model, experts: str = "host", stream: bool = False):
         if experts not in ("host", "mapped"):
             raise ValueError(f"CpuBackend experts={experts!r}: choose 'host' or 'mapped'")
         self.experts = experts
@@ -204,6 +229,13 @@ class CpuBackend:
         self.routed = -1                          # the layer whose route the host has
         self.job: Future | None = None            # the stage launched last
         self.failed: BaseException | None = None  # a stage that raised: the step's later stages do not run
+        self.layout = ExpertLayout.from_model(model)
+        lw = model.weights.layers[0]
+        self.exact = bool(getattr(lw.ffn_down_exps, "exact", False))
+        self.stream = stream and experts == "host"
+        self.posted = -1                          # the layer whose post was launched last
+        self._stream: dict[int, list] = {}        # parity -> [layer, {expert: (gate, up, down) copies}, open]
+        self._stream_log: list[tuple] = []
 
     def new_seq(self, dump: StageDump | None = None) -> _CpuSeq:
         self.live += 1
@@ -235,7 +267,8 @@ class CpuBackend:
                 raise BackendError(f"begin: a segment starts at position {s.pos}, its sequence is at {s.seq.st.pos}")
             runs.append((s.seq.st, s.tokens))
         self.step, self.batch, self.ple_e = step, Batch.of(runs), None
-        self.layer = self.routed = -1
+        self.layer = self.routed = self.posted = -1
+        self._stream, self._stream_log = {}, []
         self._run(self._begin, self.batch, fresh=True)
 
     def _begin(self, batch: Batch) -> None:
@@ -310,6 +343,42 @@ class CpuBackend:
                     down: np.ndarray) -> None:
         raise BackendError("the cpu backend has no expert cache")
 
+    def stream_slots(self) -> int:
+        return self.cfg.n_expert if self.stream else 0
+
+    def stream_open(self, layer: int) -> None:
+        if not self.stream_slots():
+            raise BackendError("stream_open: this backend streams no experts (experts='host', stream=True does)")
+        if self.step is None or self.step.T < 2:
+            raise BackendError("stream_open: streaming is for a step of several rows")
+        old = self._stream.get(layer % 2)
+        if old is not None and (old[2] or old[0] >= layer):
+            raise BackendError(f"stream_open({layer}): layer {old[0]}'s stream is {'open' if old[2] else 'newer'}")
+        if layer >= 2 and self.posted < layer - 2:
+            raise BackendError(f"stream_open({layer}): post[{layer - 2}], the last reader of its buffer, is not "
+                               f"launched")
+        self._stream[layer % 2] = [layer, {}, True]
+
+    def stream_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+        s = self._stream.get(layer % 2)
+        if s is None or s[0] != layer or not s[2]:
+            raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
+        if not 0 <= expert < self.cfg.n_expert or expert in s[1]:
+            raise BackendError(f"stream_expert: expert {expert} of layer {layer} (out of range or streamed twice)")
+        s[1][expert] = _Copy(gate, up, down)
+
+    def stream_close(self, layer: int) -> None:
+        s = self._stream.get(layer % 2)
+        if s is None or s[0] != layer or not s[2]:
+            raise BackendError(f"stream_close: layer {layer}'s stream is not open")
+        s[2] = False
+        self._stream_log.append((layer, len(s[1]), sum(c.nbytes for c in s[1].values()), 0.0, 0.0))
+
+    def stream_times(self) -> list[tuple]:
+        """(layer, experts, bytes, copy_ms, exposed_ms): the copies are host memory copies made at once (no
+        device time to measure: 0)."""
+        return list(self._stream_log)
+
     def check_plan(self, plan: ExpertPlan) -> None:
         """A plan must be for the layer whose route is out, and carry every row: the stale-expert guard."""
         if plan.layer != self.routed or self.routed != self.layer:
@@ -321,14 +390,37 @@ class CpuBackend:
 
     def launch_post(self, plan: ExpertPlan) -> None:
         self.check_plan(plan)
-        if self.experts == "host" and plan.resident.any():
-            raise BackendError("the cpu backend holds no experts (experts='host')")
         if self.experts == "mapped":
             if not plan.resident.all():
                 raise BackendError("launch_post: the plan leaves experts to the host; every one is resident here")
             self._run(self._post_mapped, plan.layer)
+        elif plan.resident.any():
+            s = self._stream.get(plan.layer % 2)
+            if s is None or s[0] != plan.layer or s[2]:
+                raise BackendError(f"launch_post: the cpu backend holds no experts (experts='host') and layer "
+                                   f"{plan.layer} has no closed stream")
+            lost = [int(e) for e in plan.experts[plan.resident] if int(e) not in s[1]]
+            if lost:
+                raise BackendError(f"launch_post: experts {lost} of layer {plan.layer} are marked resident but "
+                                   f"were not streamed")
+            self._run(self._post_streamed, plan, s[1])
         else:
             self._run(self._post, plan.layer, plan.parts)
+        self.posted = plan.layer
+
+    def _post_streamed(self, plan: ExpertPlan, streamed: dict) -> None:
+        """post with the streamed experts' outputs computed here, over their rows, the CPU pool's way."""
+        us = np.flatnonzero(plan.resident)
+        o = plan.offsets
+        sel = np.concatenate([plan.pairs[o[u]:o[u + 1]] for u in us])
+        offsets = np.concatenate([[0], np.cumsum(o[us + 1] - o[us])]).astype(np.int64)
+        out = np.empty((len(sel), self.cfg.n_embd), np.float32)
+        compute_experts(self.layout.layers[plan.layer], np.asarray(self.pre.x, np.float32),
+                        [streamed[int(plan.experts[u])] for u in us], offsets, sel // self.cfg.n_expert_used, out,
+                        list(range(len(us))), self.exact, max_threads())
+        parts = np.array(plan.parts, np.float32)
+        parts.reshape(-1, self.cfg.n_embd)[sel] = out
+        self._post(plan.layer, parts)
 
     def launch_head(self) -> None:
         def head():

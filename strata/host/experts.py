@@ -298,7 +298,6 @@ class _Batch:
         self.pool, self.slices, self.X = pool, slices, X
         gate, up, down = slices
         m = len(blob_futs)
-        self.compiled = batched(gate.qtype, down.qtype) and gate.qtype == up.qtype
         self.offsets, self.rows = offsets, rows                                # (m+1,), (P,)
         self.out = np.empty((len(rows), down.rows), F32)                       # (P, E)
         self.blobs: list[ExpertBlob | None] = [None] * m
@@ -358,26 +357,34 @@ class _Batch:
                 self.result.set_result(CpuResult(self.out, self.offsets, list(self.blobs), self.t0, clock()))
 
     def _compute(self, js: list[int]) -> None:
-        gate, up, down = self.slices
-        o = self.offsets
-        if not self.compiled:              # float types, or gate's type unlike up's: Mat by Mat, as the reference
-            for j in js:
-                b = self.blobs[j]
-                mats = [Mat("expert", s.qtype, v.view(F32) if s.qtype == QType.F32 else v, s.rows, s.n_in,
-                            exact=self.pool.exact) for s, v in zip(self.slices, (b.gate, b.up, b.down))]
-                self.out[o[j]:o[j + 1]] = expert_ffn(*mats, self.X[self.rows[o[j]:o[j + 1]]])
-            return
-        addr = np.array([self.blobs[j].addr for j in js], np.uint64)                # (len(js), 3)
-        if len(js) == len(self.blobs):                    # js is sorted: all of them, in order
-            expert_batch_rows(addr, self.X, o, self.rows, self.out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype,
-                              exact=self.pool.exact, n_threads=self.pool.n_threads)
-            return
-        idx = np.concatenate([np.arange(o[j], o[j + 1]) for j in js])              # their pairs, in order
-        sub = np.concatenate([[0], np.cumsum(o[np.array(js) + 1] - o[js])]).astype(np.int64)
-        out = np.empty((len(idx), down.rows), F32)
-        expert_batch_rows(addr, self.X, sub, self.rows[idx], out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype,
-                          exact=self.pool.exact, n_threads=self.pool.n_threads)
-        self.out[idx] = out
+        compute_experts(self.slices, self.X, self.blobs, self.offsets, self.rows, self.out, js, self.pool.exact,
+                        self.pool.n_threads)
+
+
+def compute_experts(slices, X: np.ndarray, blobs, offsets: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                    js: list[int], exact: bool, n_threads: int) -> None:
+    """out[offsets[j]:offsets[j+1]] = expert blobs[j] (gate, up, down views and their addr) over X[rows[...]] for
+    the sorted js: the compiled batch where the types allow it, Mat by Mat (as the reference) otherwise."""
+    gate, up, down = slices
+    o = offsets
+    if not (batched(gate.qtype, down.qtype) and gate.qtype == up.qtype):
+        for j in js:
+            b = blobs[j]
+            mats = [Mat("expert", s.qtype, v.view(F32) if s.qtype == QType.F32 else v, s.rows, s.n_in,
+                        exact=exact) for s, v in zip(slices, (b.gate, b.up, b.down))]
+            out[o[j]:o[j + 1]] = expert_ffn(*mats, X[rows[o[j]:o[j + 1]]])
+        return
+    addr = np.array([blobs[j].addr for j in js], np.uint64)                     # (len(js), 3)
+    if len(js) == len(blobs):                         # js is sorted: all of them, in order
+        expert_batch_rows(addr, X, o, rows, out, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype, exact=exact,
+                          n_threads=n_threads)
+        return
+    idx = np.concatenate([np.arange(o[j], o[j + 1]) for j in js])              # their pairs, in order
+    sub = np.concatenate([[0], np.cumsum(o[np.array(js) + 1] - o[js])]).astype(np.int64)
+    got = np.empty((len(idx), down.rows), F32)
+    expert_batch_rows(addr, X, sub, rows[idx], got, gate.rows, wt_gu=gate.qtype, wt_d=down.qtype, exact=exact,
+                      n_threads=n_threads)
+    out[idx] = got
 
 
 class CpuExpertPool:

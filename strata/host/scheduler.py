@@ -21,6 +21,7 @@ requests in that step; a request's own (its sampler) end that request only.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,13 @@ class PollPolicy:
     timeout_s: float = 60.0     # a stage or read that never ends is an error, not a hang
 
 
+H2D_BYTES_PER_S = 25e9     # an upload's copy rate where the backend measured none (PCIe 4 x16 from pinned memory)
+def _size_class(T: int) -> int:
+    """Steps whose costs are kept together: T rounded up to a power of two."""
+    return 1 << max(T - 1, 0).bit_length()
+
+
+STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 
 
@@ -92,9 +100,16 @@ class HostConfig:
                                             # used in the previous step; "router", the top k of its router applied
                                             # to layer l's MoE input; a wrong guess costs a read, never a wrong
                                             # result. Measured on the 2-vCPU VM: bench/RESULTS.md
+    stream_experts: str = "auto"            # a step of several rows under a VRAM budget: "auto" streams every
+                                            # expert a layer lacks in VRAM through a double buffer (layer l + 1
+                                            # copied while layer l computes) when the measured costs say it beats
+                                            # splitting the misses between the CPU pool and uploads; "always",
+                                            # "never". The cache is left as it was: a prompt evicts nothing
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
+        if self.stream_experts not in ("auto", "always", "never"):
+            raise ValueError(f"HostConfig.stream_experts = {self.stream_experts!r}: 'auto', 'always' or 'never'")
         if self.prefetch not in ("previous", "router", "off"):
             raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
         if self.step_tokens < 1:
@@ -216,6 +231,9 @@ class Scheduler:
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
         self.costs = MissCosts(self.cfg.n_layer)
+        # host-to-device copy rate of an upload from pinned memory (the CUDA backend measures it at open)
+        self.h2d_bps = getattr(backend, "h2d_bytes_per_s", None) or H2D_BYTES_PER_S
+        self._stream_cost: dict[int, float] = {}   # step size class -> exposed stream seconds per expert copied
         self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
@@ -615,23 +633,47 @@ class Scheduler:
         return e
 
     async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
-        be = self.backend
+        be, n = self.backend, self.cfg.n_layer
+        stream = self._streams(step)
+        st.mode = "stream" if stream else "split"
         t0 = clock()
         be.begin(step)
         st.span("pre_launch", -1, t0, clock())
-        for il in range(self.cfg.n_layer):
-            if il == self.ple_layer:
-                be.stage_ple(await self._ple_vectors(step, reads, st))
-            t0 = clock()
-            be.launch_pre(il)
-            t1 = clock()
-            st.span("pre_launch", il, t0, t1)
-            route = be.poll_route(il) or await self._poll(lambda: be.poll_route(il), "pre", il)
-            st.span("doorbell", il, t1, clock())
-            plan = await self._expert_plan(il, route, st)
-            t0 = clock()
-            be.launch_post(plan)
-            st.span("post_launch", il, t0, clock())
+        fetches: dict[int, tuple] = {}
+        tasks: dict[int, asyncio.Task] = {}
+        try:
+            if stream:                   # layer l + 1's experts are copied while layer l computes; reads run ahead
+                for il in range(min(STREAM_AHEAD, n)):
+                    fetches[il] = self._stream_fetch(il)
+                tasks[0] = asyncio.create_task(self._stream(0, fetches.pop(0), None, st))
+            for il in range(n):
+                if il == self.ple_layer:
+                    be.stage_ple(await self._ple_vectors(step, reads, st))
+                t0 = clock()
+                be.launch_pre(il)
+                t1 = clock()
+                st.span("pre_launch", il, t0, t1)
+                if stream and il + 1 < n:     # post[il - 1], the last reader of its buffer, is launched
+                    if il + STREAM_AHEAD < n:
+                        fetches[il + STREAM_AHEAD] = self._stream_fetch(il + STREAM_AHEAD)
+                    tasks[il + 1] = asyncio.create_task(self._stream(il + 1, fetches.pop(il + 1), tasks[il], st))
+                route = be.poll_route(il) or await self._poll(lambda: be.poll_route(il), "pre", il)
+                st.span("doorbell", il, t1, clock())
+                if stream:
+                    t0 = clock()
+                    got = await tasks.pop(il)
+                    st.span("stream_wait", il, t0, clock())
+                    plan = self._streamed_plan(il, route, got, st)
+                else:
+                    plan = await self._expert_plan(il, route, st)
+                t0 = clock()
+                be.launch_post(plan)
+                st.span("post_launch", il, t0, clock())
+        finally:
+            for t in tasks.values():     # a failed step: the later layers' streams end with it
+                if t.done() and not t.cancelled():
+                    t.exception()        # retrieved: the step's own failure is the one that is raised
+                t.cancel()
         t0 = clock()
         be.launch_head()
         t1 = clock()
@@ -640,7 +682,86 @@ class Scheduler:
         if logits is None:
             logits = await self._poll(be.poll_logits, "head", -1)
         st.span("head_wait", -1, t1, clock())
+        if stream:
+            st.stream = be.stream_times()
+            copied = sum(x[1] for x in st.stream)
+            if copied:                   # what streaming cost: the copy time the posts waited for, per expert
+                b, new = _size_class(step.T), sum(x[4] for x in st.stream) * 1e-3 / copied
+                old = self._stream_cost.get(b)
+                self._stream_cost[b] = new if old is None else old + MissCosts.ALPHA * (new - old)
         return logits
+
+    # ---- streaming a step's experts ------------------------------------------------------------------------------
+    def _streams(self, step: Step) -> bool:
+        """Stream this step's experts (every expert a layer lacks in VRAM, copied while the layer before
+        computes), or split each layer's misses between the CPU pool and uploads: whichever the measured costs
+        say finishes first. Streaming copies experts no row routes to; it pays once a step's rows reach most of
+        a layer's experts (a prompt chunk), never for a decode row."""
+        be, cfg, mode = self.backend, self.cfg, self.host.stream_experts
+        if mode == "never" or step.T < 2 or not getattr(be, "stream_slots", lambda: 0)():
+            return False
+        if mode == "always":
+            return True
+        k, n_exp = cfg.n_expert_used, cfg.n_expert
+        per = self._stream_cost.get(_size_class(step.T))     # exposed seconds per expert streamed, measured
+        if per is None:
+            return True                                      # unmeasured at this size: stream, to measure it
+        stream_s = split_s = 0.0
+        used = 1.0 - (1.0 - 1.0 / n_exp) ** (step.T * k)      # the share of a layer's experts the rows reach
+        for il in range(cfg.n_layer):
+            lack = n_exp - int(np.count_nonzero(be.resident(il, np.arange(n_exp))))
+            if not lack:
+                continue
+            stream_s += lack * per
+            u, c = self.costs.upload_ms[il], self.costs.cpu_ms[il]
+            up_s = lack * used * u * 1e-3 if u is not None and self.cache.slots else math.inf
+            cpu_s = step.T * k * lack / n_exp * c * 1e-3 if c is not None else math.inf
+            # both paths run at once: a split finishes no sooner than their harmonic share of the work
+            split_s += 1.0 / (1.0 / up_s + 1.0 / cpu_s) if up_s < math.inf or cpu_s < math.inf else math.inf
+        return stream_s <= split_s
+
+    def _stream_fetch(self, il: int) -> tuple:
+        """The reads of layer il's experts that the backend lacks, started now: (experts, futures, in RAM)."""
+        lack = np.flatnonzero(~np.asarray(self.backend.resident(il, np.arange(self.cfg.n_expert)), bool)).tolist()
+        futs, in_ram, _ = self.store.fetch_many(il, lack)
+        return lack, futs, in_ram
+
+    async def _stream(self, il: int, fetch: tuple, before: asyncio.Task | None, st: StepTrace) -> tuple:
+        """Copy layer il's lacking experts into the backend's stream buffer as their blobs arrive, after layer
+        il - 1's copies (the copy stream goes layer by layer). (experts, bytes, from RAM, from the SSD)."""
+        experts, futs, in_ram = fetch
+        if before is not None:
+            await before
+        be = self.backend
+        be.stream_open(il)
+        nbytes = 0
+        for e, f, ram in zip(experts, futs, in_ram.tolist()):
+            if not f.done():
+                try:
+                    async with asyncio.timeout(self.poll.timeout_s):
+                        await asyncio.wrap_future(f)
+                except TimeoutError:
+                    raise TimeoutError(f"expert {e} of layer {il}: not read after {self.poll.timeout_s:g} s") \
+                        from None
+            blob = f.result()
+            if not ram:
+                self._trace_read(st, blob)
+            be.stream_expert(il, e, blob.gate, blob.up, blob.down)
+            nbytes += blob.nbytes
+        be.stream_close(il)
+        n_ram = int(in_ram.sum())
+        return len(experts), nbytes, n_ram, len(experts) - n_ram
+
+    def _streamed_plan(self, il: int, route: Route, got: tuple, st: StepTrace) -> ExpertPlan:
+        """Every routed expert of layer il is the backend's: in its cache or streamed."""
+        plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
+        pairs = np.diff(plan.offsets)
+        hit = np.asarray(self.backend.resident(il, plan.experts), bool)
+        self.cache.record(il, plan.experts, hit, pairs)
+        plan.resident = np.ones(len(plan.experts), bool)
+        n, nbytes, n_ram, n_ssd = got
+        st.layer_experts(il, int(pairs.sum()), int(hit.sum()), 0, n, 0, nbytes, n_ram, n_ssd)
+        return plan
 
     async def _forward_whole(self, step: Step, reads, st: StepTrace) -> np.ndarray:
         """Every expert resident in VRAM (CudaBackend experts="vram"): the step is one captured graph with no host
@@ -701,27 +822,28 @@ class Scheduler:
         on_cpu[[u for u, _ in up]] = False
         cpu = np.flatnonzero(on_cpu).tolist()
         cpu_pairs = plan.pairs[np.repeat(on_cpu, pairs)]             # their (row * k + j) pairs, expert by expert
-        t_cpu = clock()
         job = self.pool.run(self.layout.layers[il], route.x, [blobs[u] for u in cpu],
                             np.concatenate([[0], np.cumsum(pairs[on_cpu])]), cpu_pairs // k) if cpu else None
 
-        fetched_bytes, t_up = 0, clock()
+        fetched_bytes, enqueue_s = 0, 0.0
         for u, slot in up:
             blob = await self._wait(blobs[u], st, "io_wait", il, f"expert {experts[u]} of layer {il}")
             if u in read_now:
                 self._trace_read(st, blob)
             t0 = clock()
             be.load_expert(il, experts[u], slot, blob.gate, blob.up, blob.down)
-            st.span("upload", il, t0, clock())
+            t1 = clock()
+            st.span("upload", il, t0, t1)
+            enqueue_s += t1 - t0
             fetched_bytes += blob.nbytes
-        if up:
-            self.costs.observe_upload(il, len(up), clock() - t_up)
+        if up:       # the read wait is either path's: an upload costs its enqueue and its DMA
+            self.costs.observe_upload(il, len(up), enqueue_s + fetched_bytes / self.h2d_bps)
 
         cpu_bytes = 0
         if job is not None:
             res = await self._wait(job, st, "cpu_wait", il, f"the CPU experts of layer {il}")
             plan.parts.reshape(-1, self.cfg.n_embd)[cpu_pairs] = res.parts
-            self.costs.observe_cpu(il, len(cpu_pairs), res.t1 - t_cpu)
+            self.costs.observe_cpu(il, len(cpu_pairs), res.t1 - res.t0)     # from its first blob's arrival
             cpu_bytes = sum(b.nbytes for b in res.blobs)
             st.cpu_batch(il, len(cpu), cpu_bytes, res.t0, res.t1)
             for u, b in zip(cpu, res.blobs):

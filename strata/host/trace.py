@@ -24,6 +24,12 @@ rows only), "decode" (decode rows only) or "mixed".
      "prefetch": [started, misses, predicted],                         # reads the prefetch started (HostConfig.
                                                                        # prefetch), the VRAM misses, and of them
                                                                        # the ones it had predicted
+     "experts_mode": "split" | "stream",                               # split: each layer's misses between the
+                                                                       # CPU pool and uploads; stream: every
+                                                                       # expert a layer lacks in VRAM copied in
+                                                                       # while the layer before computes
+     "stream":  [[layer, experts, bytes, copy_ms, exposed_ms], ...],   # stream steps: the device's copy time per
+                                                                       # layer, and of it what post[l] waited for
      "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
                  "ssd_hidden_ms": of it behind device, CPU pool or upload work, "ssd_exposed_ms": of it while the
                  driver only waited},
@@ -49,14 +55,15 @@ _ORIGIN = time.perf_counter()
 # them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
 DEVICE = ("pre_launch", "doorbell", "post_launch", "head_launch", "head_wait", "token_launch",
           "token_wait")
-WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload")
+WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload", "stream_wait")
 HOST = ("sample",)
-KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "post_launch",
+KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "stream_wait", "post_launch",
          "head_launch", "head_wait", "token_launch", "token_wait", "sample")
 LABELS = {
     "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch",
     "doorbell": "post[l-1] + pre[l]: doorbell wait",
     "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
+    "stream_wait": "experts: stream's reads wait",
     "post_launch": "post graph: launch", "head_launch": "head: launch",
     "head_wait": "post[last] + head: wait", "token_launch": "whole-token graph: launch",
     "token_wait": "whole-token graph: wait", "sample": "sample + deliver", "other": "other/host (residual)",
@@ -87,6 +94,8 @@ class StepTrace:
                                                   #  ram, ssd)
     ple: list = field(default_factory=lambda: [0, 0])     # [rows, cache hits]
     prefetch: list = field(default_factory=lambda: [0, 0, 0])     # [reads started, misses, misses predicted]
+    mode: str = "split"                           # how the layers' misses were served: "split" or "stream"
+    stream: list = field(default_factory=list)    # (layer, experts, bytes, copy_ms, exposed_ms): stream steps
 
     @property
     def prompt_tokens(self) -> int:
@@ -140,7 +149,8 @@ class StepTrace:
                 "io": [[k, n, _ms(a), _ms(b)] for k, n, a, b in self.io],
                 "cpu": [[l, n, b, _ms(t0), _ms(t1)] for l, n, b, t0, t1 in self.cpu],
                 "experts": [list(e) for e in self.experts], "ple": list(self.ple), "tiers": self.tiers(),
-                "prefetch": list(self.prefetch),
+                "prefetch": list(self.prefetch), "experts_mode": self.mode,
+                "stream": [[l, n, b, round(c, 3), round(x, 3)] for l, n, b, c, x in self.stream],
                 "peak_rss": peak_rss_bytes()}
 
     def tiers(self) -> dict:
@@ -294,6 +304,10 @@ class PhaseSummary:
     ple_hits: int = 0
     peak_rss: int = 0             # bytes: the process's high-water mark at the phase's last step
     prefetch: tuple = (0, 0, 0)   # all steps: reads the prefetch started, VRAM misses, misses it predicted
+    stream_steps: int = 0         # steps that streamed their experts; per such step: bytes copied, the device's
+    stream_bytes: float = 0.0     # copy time, and of it what the posts waited for (exposed)
+    stream_copy_ms: float = 0.0
+    stream_exposed_ms: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -325,6 +339,8 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
         busy = busy_intervals([s for r in rs for s in r["spans"]], [(x[3], x[4]) for r in rs for x in r["cpu"]])
         io_busy, io_host, io_exposed = split_io(io_u, busy, wait_intervals([s for r in rs for s in r["spans"]]))
         ple = [r.get("ple", (0, 0)) for r in rs]
+        sm = [x for r in rs if r.get("experts_mode") == "stream" for x in r.get("stream", [])]
+        ns = max(sum(r.get("experts_mode") == "stream" for r in rs), 1)
         out.append(PhaseSummary(
             phase, n, pt + dt, pt, dt, sums["total"], ms, dev, wait, ms["total"] - dev - wait,
             sum(b - a for a, b in io_u) / n, overlap(io_u, device) / n, sum(x[1] for r in rs for x in r["io"]) / n,
@@ -336,7 +352,9 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
             sum(x[1] for r in rs for x in r["io"] if x[0] == "ple") / n,
             io_busy / n, io_host / n, io_exposed / n, sum(p[0] for p in ple), sum(p[1] for p in ple),
             max((r.get("peak_rss", 0) for r in rs), default=0),
-            tuple(sum(r.get("prefetch", (0, 0, 0))[i] for r in rs) for i in range(3))))
+            tuple(sum(r.get("prefetch", (0, 0, 0))[i] for r in rs) for i in range(3)),
+            sum(r.get("experts_mode") == "stream" for r in rs), sum(x[2] for x in sm) / ns,
+            sum(x[3] for x in sm) / ns, sum(x[4] for x in sm) / ns))
     return out
 
 
@@ -382,6 +400,12 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
                      f"{p.ple_ssd_bytes * kb:.1f}); in flight {p.io_ms:.3f} ms/step: hidden behind device, CPU pool "
                      f"or uploads {p.io_busy_ms:.3f} ms ({pct(p.io_busy_ms, p.io_ms)}), behind host work "
                      f"{p.io_host_ms:.3f} ms, exposed {p.io_exposed_ms:.3f} ms")
+        if p.stream_steps:
+            rate = p.stream_bytes / p.stream_copy_ms / 1e6 if p.stream_copy_ms else 0.0
+            lines.append(f"  streamed: {p.stream_steps} of {p.steps} steps copied every expert their layers lack in "
+                         f"VRAM, {p.stream_bytes / 1e9:.2f} GB/step in {p.stream_copy_ms:.1f} ms on the device "
+                         f"({rate:.1f} GB/s), {pct(p.stream_copy_ms - p.stream_exposed_ms, p.stream_copy_ms)} "
+                         f"hidden behind compute ({p.stream_exposed_ms:.1f} ms/step exposed)")
         started, misses, predicted = p.prefetch
         if started:
             lines.append(f"  prefetch (HostConfig.prefetch): {started / p.steps:.1f} reads started/step, "

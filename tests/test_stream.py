@@ -1,0 +1,180 @@
+"""Streaming a step's experts (HostConfig.stream_experts): every expert a layer lacks in VRAM is copied into the
+backend's stream buffer while the layer before computes, and post computes the routed ones from there. On the
+CPU twin (CpuBackend's stream buffers, computed with the CPU pool's compiled batch) the logits equal the
+teacher-forced reference's exactly, with and without cache hits used in place; the double buffer's protocol is
+checked; the choice by measured cost; a failed read ends only that step's requests."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata.engine import Engine
+from strata.host.backend import BackendError, CpuBackend, ExpertPlan, Segment, Step
+from strata.host.scheduler import HostConfig, Scheduler
+from strata.model.loader import load_model
+from test_scheduler import TOKENS, VramOnCpu, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
+
+
+class Counting(CpuBackend):
+    """CpuBackend recording which layers each step streamed."""
+
+    def __init__(self, model):
+        super().__init__(model, stream=True)
+        self.opened: list[tuple[int, int]] = []           # (step T, layer)
+
+    def stream_open(self, layer):
+        super().stream_open(layer)
+        self.opened.append((self.step.T, layer))
+
+
+class StreamVramOnCpu(VramOnCpu):
+    """The CPU twin with a cache and stream buffers: resident experts come from the cache's slots, the other
+    resident ones from the stream (both computed from the bytes the host handed over)."""
+
+    def __init__(self, model, slots: int):
+        super().__init__(model, slots)
+        self.stream = True
+
+    def launch_post(self, plan):
+        cached = super().resident(plan.layer, plan.experts)
+        if not (plan.resident & ~cached).any():
+            return super().launch_post(plan)
+        # streamed ones through CpuBackend's path, with the cached ones' parts filled from the slots first
+        s = self._stream[plan.layer % 2]
+        for u in np.flatnonzero(plan.resident & cached):
+            e = int(plan.experts[u])
+            _, g, up, d = self.slots[self.where[(plan.layer, e)]]
+            s[1].setdefault(e, _copy(g, up, d))
+        CpuBackend.launch_post(self, plan)
+
+
+def _copy(g, u, d):
+    from strata.host.backend import _Copy
+    return _Copy(g, u, d)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mix,exact", [("f32", False), ("realistic", False), ("realistic", True)])
+async def test_streamed_steps_keep_parity(mix, exact, tiny_gguf, realistic_gguf):
+    """Prompt chunks of 5 rows stream every layer's experts (stream_experts="always"); a 1-row step never does."""
+    path = tiny_gguf if mix == "f32" else realistic_gguf
+    model = load_model(path, exact=exact)
+    be = Counting(model)
+    sched = Scheduler(model, be, HostConfig(step_tokens=5, stream_experts="always"), exact=exact)
+    try:
+        await assert_parity(sched, Engine.open_sync(path, exact=exact), TOKENS)     # steps of 5, 5, 5, 1 rows
+        n = model.cfg.n_layer
+        assert be.opened == [(5, il) for _ in range(3) for il in range(n)]
+        assert sched.pool.threads._work_queue.qsize() == 0 and sched.store.reads > 0
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_streaming_uses_cache_hits_in_place(realistic_gguf):
+    """A cache filled by 1-row steps (uploads) stays as it is through streamed chunks: only the experts a layer
+    lacks are streamed, the cached ones are computed from their slots, and the logits stay exact."""
+    model = load_model(realistic_gguf)
+    probe = Scheduler(model, CpuBackend(model))
+    blob = probe.layout.blob_bytes(0)
+    await probe.aclose()
+    be = StreamVramOnCpu(model, 12)
+    streamed: list[int] = []
+    real = be.stream_expert
+
+    def spy(layer, expert, *views):
+        streamed.append((layer, expert))
+        assert (layer, expert) not in be.where, "a cached expert was streamed"
+        real(layer, expert, *views)
+    be.stream_expert = spy
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=12 * blob, stream_experts="always"))
+    try:
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:6])    # 1-row steps: uploads
+        cached = dict(be.where)
+        assert cached and not streamed
+        sched.step_tokens = sched.logit_rows = 4
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)         # 4-row chunks stream
+        assert streamed and be.where == cached                                        # nothing evicted
+        n_exp = model.cfg.n_expert
+        per_step = len(streamed) / (len(TOKENS) // 4)
+        assert per_step == model.cfg.n_layer * n_exp - len(cached)
+    finally:
+        await sched.aclose()
+
+
+def test_stream_protocol_is_checked(realistic_gguf):
+    model = load_model(realistic_gguf)
+    be = CpuBackend(model, stream=True)
+    cfg = model.cfg
+    seq = be.new_seq()
+    be.begin(Step((Segment(seq, (3,), 0, "last"),)))
+    with pytest.raises(BackendError, match="several rows"):
+        be.stream_open(0)
+    seq2 = be.new_seq()
+    be.begin(Step((Segment(seq2, (3, 17, 42), 0, "last"),)))
+    be.stream_open(0)
+    with pytest.raises(BackendError, match="not open"):
+        be.stream_expert(1, 0, *_views(be, 0, 0))
+    be.stream_expert(0, 0, *_views(be, 0, 0))
+    with pytest.raises(BackendError, match="streamed twice"):
+        be.stream_expert(0, 0, *_views(be, 0, 0))
+    with pytest.raises(BackendError, match="is open"):
+        be.stream_open(2)
+    be.stream_close(0)
+    with pytest.raises(BackendError, match="post\\[0\\]"):
+        be.stream_open(2)                       # layer 0's buffer: its post has not been launched
+    be.launch_pre(0)
+    route = None
+    while route is None:
+        route = be.poll_route(0)
+    plan = ExpertPlan.of(0, route.ids, cfg.n_embd)
+    plan.resident[:] = True
+    if len(plan.experts) > 1 or plan.experts[0] != 0:
+        with pytest.raises(BackendError, match="not streamed"):
+            be.launch_post(plan)
+    be.free_seq(seq)
+    be.free_seq(seq2)
+    be.close()
+
+
+def _views(be, layer, expert):
+    from strata.host.experts import ExpertBlob
+    slices = be.layout.layers[layer]
+    b = ExpertBlob(layer, expert, slices)
+    return b.gate, b.up, b.down
+
+
+@pytest.mark.asyncio
+async def test_stream_choice_follows_the_costs(realistic_gguf):
+    """auto: a decode row never streams; a chunk streams when its size class has not measured streaming yet, or
+    when the copy time the posts waited for (per expert, measured) costs less than the split of its misses, and
+    not when the CPU pool measured cheaper."""
+    model = load_model(realistic_gguf)
+    sched = Scheduler(model, CpuBackend(model, stream=True), HostConfig(stream_experts="auto"))
+    try:
+        n = model.cfg.n_layer
+        assert not sched._streams(SimpleNamespace(T=1))
+        assert sched._streams(SimpleNamespace(T=512))           # unmeasured at this size: stream to measure it
+        sched._stream_cost[512] = 1e-3                          # 1 ms of copy time exposed per expert streamed
+        sched.costs.cpu_ms = [1.0] * n                          # 1 ms a (row, expert) pair on the CPU pool
+        assert sched._streams(SimpleNamespace(T=512))
+        assert sched._streams(SimpleNamespace(T=300))           # the same size class
+        sched.costs.cpu_ms = [1e-9] * n                         # a free CPU pool: split
+        assert not sched._streams(SimpleNamespace(T=512))
+        assert sched._streams(SimpleNamespace(T=1024))          # another size class: unmeasured
+        never = Scheduler(model, CpuBackend(model, stream=True), HostConfig(stream_experts="never"))
+        assert not never._streams(SimpleNamespace(T=512))
+        await never.aclose()
+        never = Scheduler(model, CpuBackend(model), HostConfig(stream_experts="always"))   # the engine's CPU
+        assert not never._streams(SimpleNamespace(T=512))
+        await never.aclose()
+        mapped = Scheduler(model, CpuBackend(model, experts="mapped"), HostConfig(stream_experts="always"))
+        assert not mapped._streams(SimpleNamespace(T=512))      # every expert resident: nothing to stream
+        await mapped.aclose()
+    finally:
+        await sched.aclose()
+    with pytest.raises(ValueError, match="stream_experts"):
+        HostConfig(stream_experts="sometimes")
