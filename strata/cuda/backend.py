@@ -1255,6 +1255,9 @@ class CudaBackend:
         return np.array(out)
 
     def close(self) -> None:
+        if getattr(self, "_closed", False):             # the scheduler closes its backend; so may its owner
+            return
+        self._closed = True
         try:
             self.stream.synchronize("close")
             self.side.synchronize("close")          # uploads and streamed copies read the pinned cells freed below
