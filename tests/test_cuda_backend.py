@@ -408,9 +408,9 @@ def test_scheduler_batched_prefill(case):
 
 def test_scheduler_streamed_prefill(case):
     """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
-    the stream buffers while the layer before runs, the cache's experts (filled by one-row steps first) used in
-    place and left as they were; every position against transformers, and against the split path (CPU pool and
-    uploads) within 1e-5; the device timed every layer's copies."""
+    the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by one-row
+    steps first) used in place and kept; every position against transformers, and against the split path (CPU
+    pool and uploads) within 1e-5; the device timed every layer's copies."""
     import asyncio
 
     from strata.host.scheduler import HostConfig, Scheduler
@@ -441,7 +441,8 @@ def test_scheduler_streamed_prefill(case):
             finally:
                 await sched.aclose()
         head, rest, cached = asyncio.run(go())                    # the scheduler's aclose closes the backend
-        assert be._slot_of == cached or mode == "never"           # a streamed prompt evicts nothing
+        if mode == "always":                                      # a streamed prompt evicts nothing (it may fill
+            assert cached.items() <= be._slot_of.items()          # free slots)
         return np.asarray(rest), opened, times, cached
     streamed, opened, times, cached = run("always")
     split, opened_split, _, _ = run("never")
@@ -451,8 +452,9 @@ def test_scheduler_streamed_prefill(case):
     assert cached and not opened_split and len(opened) == cfg.n_layer * len(times)
     for t in times:
         assert [x[0] for x in t] == list(range(cfg.n_layer))
-        assert all(x[1] == cfg.n_expert - sum(1 for (l, _) in cached if l == x[0]) for x in t)
-        assert all(x[3] > 0 for x in t)
+        assert all(x[1] <= cfg.n_expert - sum(1 for (l, _) in cached if l == x[0]) for x in t)
+        assert all(x[3] > 0 for x in t if x[1])
+    assert sum(x[1] for x in times[0]) > 0
 
 
 def test_prefix_reuse_over_cuda(case):

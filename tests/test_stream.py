@@ -38,10 +38,18 @@ class StreamVramOnCpu(VramOnCpu):
         super().__init__(model, slots)
         self.stream = True
 
+    def stream_expert(self, layer, expert, gate, up, down, slot=None):
+        if slot is None:
+            return super().stream_expert(layer, expert, gate, up, down)
+        assert self.slots[slot] is None, "a streamed expert took an occupied cache slot"
+        self.load_expert(layer, expert, slot, gate, up, down)
+
     def launch_post(self, plan):
         cached = super().resident(plan.layer, plan.experts)
         if not (plan.resident & ~cached).any():
-            return super().launch_post(plan)
+            super().launch_post(plan)
+            self.posted = plan.layer
+            return
         # streamed ones through CpuBackend's path, with the cached ones' parts filled from the slots first
         s = self._stream[plan.layer % 2]
         for u in np.flatnonzero(plan.resident & cached):
@@ -89,12 +97,14 @@ async def test_streaming_uses_cache_hits_in_place(realistic_gguf):
         streamed.append((layer, expert))
         assert (layer, expert) not in be.where, "a cached expert was streamed"
         real(layer, expert, *views)
-    be.stream_expert = spy
+
+    # the cache is full after the one-row steps: a streamed chunk finds no free slot, so it evicts nothing
+    be.stream_expert = lambda layer, expert, *views: spy(layer, expert, *views)
     sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=12 * blob, stream_experts="always"))
     try:
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:6])    # 1-row steps: uploads
         cached = dict(be.where)
-        assert cached and not streamed
+        assert len(cached) == 12 and not streamed
         sched.step_tokens = sched.logit_rows = 4
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)         # 4-row chunks stream
         assert streamed and be.where == cached                                        # nothing evicted
@@ -103,6 +113,34 @@ async def test_streaming_uses_cache_hits_in_place(realistic_gguf):
         assert per_step == model.cfg.n_layer * n_exp - len(cached)
     finally:
         await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_streamed_chunk_fills_free_cache_slots(realistic_gguf):
+    """An empty cache: a streamed chunk puts its first lacking experts into the free slots (the same copy), the
+    rest into the stream buffer; the next chunk streams only what is still lacking, and the logits stay exact."""
+    model = load_model(realistic_gguf)
+    probe = Scheduler(model, CpuBackend(model))
+    blob = probe.layout.blob_bytes(0)
+    await probe.aclose()
+    be = StreamVramOnCpu(model, 20)
+    to_buffer: list[int] = []
+    real = CpuBackend.stream_expert
+
+    def spy(self, layer, expert, gate, up, down, slot=None):
+        to_buffer.append(layer)
+        real(self, layer, expert, gate, up, down, slot)
+    sched = Scheduler(model, be, HostConfig(step_tokens=4, vram_budget_bytes=20 * blob, stream_experts="always"))
+    try:
+        CpuBackend.stream_expert = spy
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)          # 4 chunks of 4 rows
+    finally:
+        CpuBackend.stream_expert = real
+        await sched.aclose()
+    cfg = model.cfg
+    total = cfg.n_layer * cfg.n_expert
+    assert len(be.where) == len(sched.cache) == 20 and sched.cache.uploads == 20
+    assert len(to_buffer) == (total - 20) * 4          # every chunk: all but the 20 cached ones through the buffer
 
 
 def test_stream_protocol_is_checked(realistic_gguf):

@@ -980,10 +980,12 @@ class CudaBackend:
             self.side.wait(self.ev_begin)
         self._release_streamed(wait=False)
         self.ev_s0[layer].record(self.side)
-        self._stream[p] = {"layer": layer, "slots": {}, "open": True, "bytes": 0, "keep": []}
+        self._stream[p] = {"layer": layer, "slots": {}, "open": True, "n": 0, "bytes": 0, "keep": []}
 
     @_guarded
-    def stream_expert(self, layer: int, expert: int, gate, up, down) -> None:
+    def stream_expert(self, layer: int, expert: int, gate, up, down, slot: int | None = None) -> None:
+        """Expert `expert` of the open layer into the next stream slot, or into the free cache slot `slot` (it
+        then stays resident; no launch reads a free slot, so the copy needs no wait but the stream's)."""
         s = self._stream[layer % 2] if self.n_stream else None
         if s is None or s["layer"] != layer or not s["open"]:
             raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
@@ -992,11 +994,18 @@ class CudaBackend:
         if (layer, expert) in self._slot_of:
             raise BackendError(f"stream_expert: expert {expert} of layer {layer} is in the cache; a step streams "
                                f"only what its layers lack")
+        if slot is not None and not (0 <= slot < self.n_slots and self._owner[slot] is None):
+            raise BackendError(f"stream_expert: cache slot {slot} is not a free one of {self.n_slots}")
         parts = self._device_parts(layer, expert, gate, up, down, "stream_expert")
-        slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
-        self._copy_into(slot, parts, f"expert {layer}.{expert} -> stream slot {slot}", after_launches=False)
-        s["slots"][expert] = slot
+        if slot is None:
+            slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
+            s["slots"][expert] = slot
+        else:
+            self._owner[slot] = (layer, expert)
+            self._slot_of[(layer, expert)] = slot
+        self._copy_into(slot, parts, f"expert {layer}.{expert} -> slot {slot}", after_launches=False)
         s["keep"].append(parts)
+        s["n"] += 1
         s["bytes"] += sum(x.nbytes for x in parts)
 
     @_guarded
@@ -1007,7 +1016,7 @@ class CudaBackend:
         self.ev_s1[layer].record(self.side)
         s["open"] = False
         self._stream_keep.append((self.ev_s1[layer], s.pop("keep")))   # the blobs live until their copies are done
-        self._stream_log.append((layer, len(s["slots"]), s["bytes"]))
+        self._stream_log.append((layer, s["n"], s["bytes"]))
 
     def _release_streamed(self, wait: bool) -> None:
         """Drop the blobs of stream copies that are done (all of them, waiting, with wait)."""

@@ -16,10 +16,12 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       replacing whatever the slot held; the host's cache policy picks the slot
     stream_slots() -> int             optional: how many experts of one layer a step may stream (0: none); then
     stream_open(l)                    per layer of a step of several rows, in layer order: layer l's stream buffer
-    stream_expert(l, e, g, u, d)      (two buffers, alternating by layer) takes experts copied while the layer
+    stream_expert(l, e, g, u, d, s)   (two buffers, alternating by layer) takes experts copied while the layer
     stream_close(l)                   before computes; opened once post[l - 2] (its buffer's last reader) is
                                       launched; launch_post(l) computes the streamed experts where its plan marks
-                                      them resident (with the cache's), after the copies
+                                      them resident (with the cache's), after the copies. s: a free cache slot
+                                      the host's policy picked (or None): the copy goes there and the expert
+                                      stays resident, ordered like the stream's other copies
     stream_times()                    after a streamed step: [(layer, experts, bytes, copy_ms, exposed_ms)], the
                                       device's copy time per layer and how much of it post[l] waited for
     launch_post(plan)                 start post[plan.layer] with the host's expert outputs (ExpertPlan); the next
@@ -359,7 +361,10 @@ class CpuBackend:
                                f"launched")
         self._stream[layer % 2] = [layer, {}, True]
 
-    def stream_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+    def stream_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                      slot: int | None = None) -> None:
+        if slot is not None:
+            raise BackendError("stream_expert: the cpu backend has no expert cache")
         s = self._stream.get(layer % 2)
         if s is None or s[0] != layer or not s[2]:
             raise BackendError(f"stream_expert: layer {layer}'s stream is not open")

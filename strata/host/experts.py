@@ -435,10 +435,13 @@ class VramCache:
                 if (layer, e) in self._lru:
                     self._lru.move_to_end((layer, e))
 
-    def place(self, layer: int, expert: int, nbytes: int, keep: set[int]) -> int | None:
+    def place(self, layer: int, expert: int, nbytes: int, keep: set[int], evict: bool = True) -> int | None:
         """A slot for expert (layer, expert), evicting least recently used ones; None when nothing may go
-        (every candidate is one of this layer's routed experts `keep`, or the expert exceeds the budget)."""
+        (every candidate is one of this layer's routed experts `keep`, or the expert exceeds the budget).
+        evict=False: a free slot within the budget or None (a streamed prompt fills the cache, never evicts)."""
         if nbytes > self.budget or self.slots == 0:
+            return None
+        if not evict and (not self._free or self.bytes + nbytes > self.budget):
             return None
         while not self._free or self.bytes + nbytes > self.budget:
             victim = next(((k, v) for k, v in self._lru.items() if not (k[0] == layer and k[1] in keep)), None)

@@ -728,13 +728,15 @@ class Scheduler:
 
     async def _stream(self, il: int, fetch: tuple, before: asyncio.Task | None, st: StepTrace) -> tuple:
         """Copy layer il's lacking experts into the backend's stream buffer as their blobs arrive, after layer
-        il - 1's copies (the copy stream goes layer by layer). (experts, bytes, from RAM, from the SSD)."""
+        il - 1's copies (the copy stream goes layer by layer); while the cache has free slots an expert goes to
+        one of those instead (the same copy: the first prompt warms the cache, evicting nothing).
+        (experts, bytes, from RAM, from the SSD)."""
         experts, futs, in_ram = fetch
         if before is not None:
             await before
-        be = self.backend
+        be, cache = self.backend, self.cache
         be.stream_open(il)
-        nbytes = 0
+        nbytes, blob_bytes, room = 0, self.layout.blob_bytes(il), cache.slots > len(cache)
         for e, f, ram in zip(experts, futs, in_ram.tolist()):
             if not f.done():
                 try:
@@ -746,20 +748,22 @@ class Scheduler:
             blob = f.result()
             if not ram:
                 self._trace_read(st, blob)
-            be.stream_expert(il, e, blob.gate, blob.up, blob.down)
+            slot = cache.place(il, e, blob_bytes, set(), evict=False) if room else None
+            room = slot is not None
+            be.stream_expert(il, e, blob.gate, blob.up, blob.down, slot)
             nbytes += blob.nbytes
         be.stream_close(il)
         n_ram = int(in_ram.sum())
-        return len(experts), nbytes, n_ram, len(experts) - n_ram
+        return len(experts), nbytes, n_ram, len(experts) - n_ram, experts
 
     def _streamed_plan(self, il: int, route: Route, got: tuple, st: StepTrace) -> ExpertPlan:
         """Every routed expert of layer il is the backend's: in its cache or streamed."""
+        n, nbytes, n_ram, n_ssd, lacked = got
         plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
         pairs = np.diff(plan.offsets)
-        hit = np.asarray(self.backend.resident(il, plan.experts), bool)
+        hit = ~np.isin(plan.experts, lacked)           # resident before this step's copies
         self.cache.record(il, plan.experts, hit, pairs)
         plan.resident = np.ones(len(plan.experts), bool)
-        n, nbytes, n_ram, n_ssd = got
         st.layer_experts(il, int(pairs.sum()), int(hit.sum()), 0, n, 0, nbytes, n_ram, n_ssd)
         return plan
 
