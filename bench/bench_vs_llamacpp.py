@@ -88,7 +88,8 @@ KEY = {"decode": "decode_ms", "prefill": "prefill_tok_s", "streams": "agg_tok_s"
 
 # ---- the two engines, each in a child process ------------------------------------------------------------------
 def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
-                 preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0) -> dict:
+                 preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
+                 stream_experts: str = "auto") -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
@@ -111,6 +112,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024
         eng = await Engine.open(model, backend=backend, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
+            stream_experts=stream_experts,
             prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
         cfg = eng.cfg
         if preload:
@@ -129,10 +131,13 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                 prompt = tokens_for(n, cfg.n_vocab, cfg.eos_id or -1, 1)
                 params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
                 stamps = []
+                modes = dict(eng.scheduler.chunk_modes)
                 t0 = time.perf_counter()
                 async for _ in eng.generate(prompt, params):
                     stamps.append(time.perf_counter())
                 r = {"prefill_tok_s": n / (stamps[0] - t0)}
+                r["chunks"] = {m: c - modes.get(m, 0) for m, c in eng.scheduler.chunk_modes.items()
+                               if c > modes.get(m, 0)}           # the prompt's chunks: streamed or split
                 if kind == "decode":     # the last chunk: the finish marker
                     r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)
             print(f"strata {kind} {n}: {r}", file=sys.stderr, flush=True)
@@ -365,6 +370,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--llama-bench", help="GPU configurations: llama.cpp's llama-bench binary built for CUDA")
     p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
+    p.add_argument("--stream-experts", default="auto", choices=["auto", "always", "never"],
+                   help="budget24: strata's HostConfig.stream_experts (how prompt chunks get their experts)")
     p.add_argument("--skip-strata", default="", help="comma list of measurement labels not run for strata")
     p.add_argument("--skip-llama", action="store_true", help="strata's cells only (on the GPU: llama.cpp's were "
                    "measured by an earlier call on the same machine)")
@@ -505,7 +512,8 @@ def strata_cells(a, model: str, jobs: list, ll: dict, budget: bool) -> None:
     """Strata's measurements (all in one child: one engine open and expert preload) and the table."""
     skip = {x.strip() for x in a.skip_strata.split(",") if x.strip()}
     spec = dict(engine="strata", model=model, backend="cuda", n_decode=a.decode, vram_gib=24.0 if budget else 130.0,
-                experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2)
+                experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2,
+                stream_experts=a.stream_experts)
     mine = [(label, kind, n, 1 if kind == "decode" or n > 1024 else a.repeats)
             for label, kind, n in jobs if label not in skip]
     strata = strata_measure(spec, mine, a.timeout) if mine else {}

@@ -234,6 +234,7 @@ class Scheduler:
         # host-to-device copy rate of an upload from pinned memory (the CUDA backend measures it at open)
         self.h2d_bps = getattr(backend, "h2d_bytes_per_s", None) or H2D_BYTES_PER_S
         self._stream_cost: dict[int, float] = {}   # step size class -> exposed stream seconds per expert copied
+        self.chunk_modes: dict[str, int] = defaultdict(int)   # steps of several rows by how their experts went
         self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
@@ -636,6 +637,8 @@ class Scheduler:
         be, n = self.backend, self.cfg.n_layer
         stream = self._streams(step)
         st.mode = "stream" if stream else "split"
+        if step.T > 1:
+            self.chunk_modes[st.mode] += 1
         t0 = clock()
         be.begin(step)
         st.span("pre_launch", -1, t0, clock())
