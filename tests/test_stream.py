@@ -187,22 +187,26 @@ def _views(be, layer, expert):
 
 @pytest.mark.asyncio
 async def test_stream_choice_follows_the_costs(realistic_gguf):
-    """auto: a decode row never streams; a chunk streams when its size class has not measured streaming yet, or
-    when the copy time the posts waited for (per expert, measured) costs less than the split of its misses, and
-    not when the CPU pool measured cheaper."""
+    """auto: a decode row, or a step whose rows reach few of a layer's experts, never streams; a chunk tries each
+    mode once per size class (streaming first), then takes the one whose steps took less time per row."""
     model = load_model(realistic_gguf)
+    cfg = model.cfg
     sched = Scheduler(model, CpuBackend(model, stream=True), HostConfig(stream_experts="auto"))
     try:
-        n = model.cfg.n_layer
-        assert not sched._streams(SimpleNamespace(T=1))
-        assert sched._streams(SimpleNamespace(T=512))           # unmeasured at this size: stream to measure it
-        sched._stream_cost[512] = 1e-3                          # 1 ms of copy time exposed per expert streamed
-        sched.costs.cpu_ms = [1.0] * n                          # 1 ms a (row, expert) pair on the CPU pool
+        small = -(-cfg.n_expert // cfg.n_expert_used) - 1          # T k < n_expert
+        assert not sched._streams(SimpleNamespace(T=1)) and not sched._streams(SimpleNamespace(T=small))
+        assert sched._streams(SimpleNamespace(T=512))            # unmeasured: stream first
+        sched._mode_cost[512] = {"stream": 2e-3}
+        assert not sched._streams(SimpleNamespace(T=300))        # the same size class: the split's turn
+        sched._mode_cost[512]["split"] = 1e-3
+        assert not sched._streams(SimpleNamespace(T=512))        # the split measured faster
+        sched._mode_cost[512]["split"] = 3e-3
         assert sched._streams(SimpleNamespace(T=512))
-        assert sched._streams(SimpleNamespace(T=300))           # the same size class
-        sched.costs.cpu_ms = [1e-9] * n                         # a free CPU pool: split
-        assert not sched._streams(SimpleNamespace(T=512))
-        assert sched._streams(SimpleNamespace(T=1024))          # another size class: unmeasured
+        assert sched._streams(SimpleNamespace(T=1024))           # another size class: unmeasured
+        await sched.score(TOKENS)                               # steps of 16 rows: both modes measured
+        assert set(sched._mode_cost[16]) == {"stream"} and sched.chunk_modes["stream"] == 1
+        await sched.score(TOKENS)
+        assert set(sched._mode_cost[16]) == {"stream", "split"} and sched.chunk_modes["split"] == 1
         never = Scheduler(model, CpuBackend(model, stream=True), HostConfig(stream_experts="never"))
         assert not never._streams(SimpleNamespace(T=512))
         await never.aclose()

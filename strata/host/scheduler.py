@@ -21,7 +21,6 @@ requests in that step; a request's own (its sampler) end that request only.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,9 +101,10 @@ class HostConfig:
                                             # result. Measured on the 2-vCPU VM: bench/RESULTS.md
     stream_experts: str = "auto"            # a step of several rows under a VRAM budget: "auto" streams every
                                             # expert a layer lacks in VRAM through a double buffer (layer l + 1
-                                            # copied while layer l computes) when the measured costs say it beats
-                                            # splitting the misses between the CPU pool and uploads; "always",
-                                            # "never". The cache is left as it was: a prompt evicts nothing
+                                            # copied while layer l computes) when its steps of that size took
+                                            # less time per row than splitting the misses between the CPU pool
+                                            # and uploads (each tried once); "always", "never". A prompt evicts
+                                            # nothing from the cache (it fills free slots)
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
@@ -233,7 +233,7 @@ class Scheduler:
         self.costs = MissCosts(self.cfg.n_layer)
         # host-to-device copy rate of an upload from pinned memory (the CUDA backend measures it at open)
         self.h2d_bps = getattr(backend, "h2d_bytes_per_s", None) or H2D_BYTES_PER_S
-        self._stream_cost: dict[int, float] = {}   # step size class -> exposed stream seconds per expert copied
+        self._mode_cost: dict[int, dict[str, float]] = {}   # step size class -> {mode: wall seconds per row}
         self.chunk_modes: dict[str, int] = defaultdict(int)   # steps of several rows by how their experts went
         self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
@@ -639,7 +639,7 @@ class Scheduler:
         st.mode = "stream" if stream else "split"
         if step.T > 1:
             self.chunk_modes[st.mode] += 1
-        t0 = clock()
+        t0 = t_begin = clock()
         be.begin(step)
         st.span("pre_launch", -1, t0, clock())
         fetches: dict[int, tuple] = {}
@@ -687,41 +687,31 @@ class Scheduler:
         st.span("head_wait", -1, t1, clock())
         if stream:
             st.stream = be.stream_times()
-            copied = sum(x[1] for x in st.stream)
-            if copied:                   # what streaming cost: the copy time the posts waited for, per expert
-                b, new = _size_class(step.T), sum(x[4] for x in st.stream) * 1e-3 / copied
-                old = self._stream_cost.get(b)
-                self._stream_cost[b] = new if old is None else old + MissCosts.ALPHA * (new - old)
+        if step.T > 1:                   # what the mode cost: wall seconds per row, per size class
+            costs = self._mode_cost.setdefault(_size_class(step.T), {})
+            new, old = (clock() - t_begin) / step.T, costs.get(st.mode)
+            costs[st.mode] = new if old is None else old + MissCosts.ALPHA * (new - old)
         return logits
 
     # ---- streaming a step's experts ------------------------------------------------------------------------------
     def _streams(self, step: Step) -> bool:
         """Stream this step's experts (every expert a layer lacks in VRAM, copied while the layer before
-        computes), or split each layer's misses between the CPU pool and uploads: whichever the measured costs
-        say finishes first. Streaming copies experts no row routes to; it pays once a step's rows reach most of
-        a layer's experts (a prompt chunk), never for a decode row."""
+        computes), or split each layer's misses between the CPU pool and uploads, by measured cost: the wall
+        time per row each mode took on steps of this size class, each mode tried once first. Streaming copies
+        experts no row routes to: a step whose rows reach under about two thirds of a layer's experts
+        (T k < n_expert) splits."""
         be, cfg, mode = self.backend, self.cfg, self.host.stream_experts
         if mode == "never" or step.T < 2 or not getattr(be, "stream_slots", lambda: 0)():
             return False
         if mode == "always":
             return True
-        k, n_exp = cfg.n_expert_used, cfg.n_expert
-        per = self._stream_cost.get(_size_class(step.T))     # exposed seconds per expert streamed, measured
-        if per is None:
-            return True                                      # unmeasured at this size: stream, to measure it
-        stream_s = split_s = 0.0
-        used = 1.0 - (1.0 - 1.0 / n_exp) ** (step.T * k)      # the share of a layer's experts the rows reach
-        for il in range(cfg.n_layer):
-            lack = n_exp - int(np.count_nonzero(be.resident(il, np.arange(n_exp))))
-            if not lack:
-                continue
-            stream_s += lack * per
-            u, c = self.costs.upload_ms[il], self.costs.cpu_ms[il]
-            up_s = lack * used * u * 1e-3 if u is not None and self.cache.slots else math.inf
-            cpu_s = step.T * k * lack / n_exp * c * 1e-3 if c is not None else math.inf
-            # both paths run at once: a split finishes no sooner than their harmonic share of the work
-            split_s += 1.0 / (1.0 / up_s + 1.0 / cpu_s) if up_s < math.inf or cpu_s < math.inf else math.inf
-        return stream_s <= split_s
+        if step.T * cfg.n_expert_used < cfg.n_expert:
+            return False
+        seen = self._mode_cost.get(_size_class(step.T), {})
+        for m in ("stream", "split"):         # unmeasured at this size: try it
+            if m not in seen:
+                return m == "stream"
+        return seen["stream"] <= seen["split"]
 
     def _stream_fetch(self, il: int) -> tuple:
         """The reads of layer il's experts that the backend lacks, started now: (experts, futures, in RAM)."""
