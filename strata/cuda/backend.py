@@ -63,6 +63,7 @@ POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, 
 # 512 MiB here); with 1280 MiB it peaked at 23.42 GiB (bench/RESULTS.md, issue 6)
 MEM_MARGIN = 1280 << 20
 LOAD_STAGING = 4                                 # pinned buffers for load_expert copies in flight
+COPY_WHAT = "expert %d.%d -> slot %d"            # an expert copy, in an error's message
 LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
 
 
@@ -839,7 +840,7 @@ class CudaBackend:
             return seq.route
         want = (int(self.step[STEP_RING]) + layer) & 0xFFFFFFFF
         if self.db.value() != want:
-            done = self.ev_pre[layer].query(f"pre[{layer}]")      # a driver call per poll keeps submission moving
+            done = self.ev_pre[layer].query("pre[%d]", layer)      # a driver call per poll keeps submission moving
             if self.db.value() != want:
                 if done:
                     raise BackendError(f"poll_route: pre[{layer}] completed but its doorbell holds "
@@ -875,7 +876,7 @@ class CudaBackend:
         if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
         parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
-        self._copy_into(slot, parts, f"expert {layer}.{expert} -> slot {slot}", after_launches=True)
+        self._copy_into(slot, parts, (layer, expert, slot), after_launches=True)
         self._loaded.append(parts)                      # kept (a blob's cell) until the copies are done
         old = self._owner[slot]
         if old is not None:
@@ -918,10 +919,11 @@ class CudaBackend:
         except ValueError as e:
             raise BackendError(f"{call}: layer {layer} expert {expert}: {e}") from None
 
-    def _copy_into(self, slot: int, parts, what: str, after_launches: bool) -> None:
+    def _copy_into(self, slot: int, parts, what: tuple[int, int, int], after_launches: bool) -> None:
         """The expert's three parts into slot `slot` on the side stream: straight from a pinned cell in device
         format, else through a pinned staging buffer. after_launches: the copy waits for every launch so far
-        (a cache slot that one of them may read); a stream slot's wait is stream_open's."""
+        (a cache slot that one of them may read); a stream slot's wait is stream_open's. what: (layer, expert,
+        slot), for an error's message."""
         if all(self.cells.owns(p) and p.flags.c_contiguous for p in parts):   # pinned and in device format
             if after_launches:
                 self._side_after_launches()
@@ -929,10 +931,10 @@ class CudaBackend:
             at = (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])
             src = [rows.ctypes.data for rows in parts]
             if src[1] - src[0] == at[1] and src[2] - src[0] == at[2]:       # laid out as the slot is: one copy
-                drv.memcpy_htod_async(base, src[0], at[2] + parts[2].nbytes, self.side, what)
+                drv.memcpy_htod_async(base, src[0], at[2] + parts[2].nbytes, self.side, COPY_WHAT, *what)
                 return
             for rows, a, p in zip(parts, at, src):
-                drv.memcpy_htod_async(base + a, p, rows.nbytes, self.side, what)
+                drv.memcpy_htod_async(base + a, p, rows.nbytes, self.side, COPY_WHAT, *what)
             return
         i = self.load_turn
         if self.load_used[i]:
@@ -944,7 +946,8 @@ class CudaBackend:
             off += room
         if after_launches:
             self._side_after_launches()
-        drv.memcpy_htod_async(self.slot_buf.ptr + slot * self.slot_bytes, buf.ptr, self.slot_bytes, self.side, what)
+        drv.memcpy_htod_async(self.slot_buf.ptr + slot * self.slot_bytes, buf.ptr, self.slot_bytes, self.side,
+                              COPY_WHAT, *what)
         self.ev_load[i].record(self.side)
         self.load_used[i] = True
         self.load_turn = (i + 1) % LOAD_STAGING
@@ -1003,7 +1006,7 @@ class CudaBackend:
         else:
             self._owner[slot] = (layer, expert)
             self._slot_of[(layer, expert)] = slot
-        self._copy_into(slot, parts, f"expert {layer}.{expert} -> slot {slot}", after_launches=False)
+        self._copy_into(slot, parts, (layer, expert, slot), after_launches=False)
         s["keep"].append(parts)
         s["n"] += 1
         s["bytes"] += sum(x.nbytes for x in parts)
@@ -1070,7 +1073,7 @@ class CudaBackend:
                     self.post_slots[j] = -1
             self._loads_before_post()
             drv.memcpy_htod_async(self.b_post_in.ptr, self.h_post.ptr, self.h_post.nbytes, self.stream,
-                                  f"post[{layer}] inputs")
+                                  "post[%d] inputs", layer)
         seq.mask = mask
         seq.parts = None if seq.dump is None else np.array(parts, F32)
         self._run_stages(seq, ("post", layer), self.post[layer], layer)

@@ -389,11 +389,11 @@ class BatchPath:
         T, k, E = parts.shape
         self.slot_stage[:] = slot_of
         drv.memcpy_htod_async(self.slot_of.ptr, self.h_slot.ptr, self.h_slot.nbytes, be.stream,
-                              f"post[{layer}] slot table")
+                              "post[%d] slot table", layer)
         if not mask.all():
             self.parts_stage[:T][~mask] = parts[~mask]
             drv.memcpy_htod_async(self.host_parts.ptr, self.h_parts.ptr, 4 * T * k * E, be.stream,
-                                  f"post[{layer}] host parts")
+                                  "post[%d] host parts", layer)
 
     def copy_logits(self, n: int) -> None:
         drv.memcpy_dtoh_async(self.h_logits.ptr, self.logits.ptr, 4 * n * self.be.cfg.n_vocab, self.be.stream,

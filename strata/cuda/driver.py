@@ -32,11 +32,12 @@ def _name(res) -> str:
     return name.decode() if err == cu.CUresult.CUDA_SUCCESS and name else str(res)
 
 
-def check(ret, call: str):
-    """ret is a cuda-bindings return tuple (CUresult, *values): the values, or CudaError naming `call`."""
+def check(ret, call: str, *args):
+    """ret is a cuda-bindings return tuple (CUresult, *values): the values, or CudaError naming the call:
+    `call % args` (formatted only on a failure: the hot paths pass their numbers, not a message)."""
     res, *vals = ret if isinstance(ret, tuple) else (ret,)
     if res != cu.CUresult.CUDA_SUCCESS:
-        raise CudaError(f"{call}: {_name(res)}")
+        raise CudaError(f"{call % args if args else call}: {_name(res)}")
     return vals[0] if len(vals) == 1 else (tuple(vals) if vals else None)
 
 
@@ -99,8 +100,9 @@ class Stream:
         self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self.prev_kernel = False        # the last thing enqueued was a kernel (strata.cuda.launch: PDL)
 
-    def synchronize(self, what: str = "") -> None:
-        check(cu.cuStreamSynchronize(self.handle), f"cuStreamSynchronize{f' ({what})' if what else ''}")
+    def synchronize(self, what: str = "", *args) -> None:
+        check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize (" + what + ")" if what else
+              "cuStreamSynchronize", *args)
 
     def wait(self, ev: "Event") -> None:
         check(cu.cuStreamWaitEvent(self.handle, ev.handle, 0), "cuStreamWaitEvent")
@@ -121,17 +123,17 @@ class Event:
         check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
         stream.prev_kernel = False
 
-    def query(self, what: str) -> bool:
-        """True when all work before the record has completed; never blocks."""
+    def query(self, what: str, *args) -> bool:
+        """True when all work before the record has completed; never blocks. what % args names it on a failure."""
         (res,) = cu.cuEventQuery(self.handle)
         if res == cu.CUresult.CUDA_SUCCESS:
             return True
         if res == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        raise CudaError(f"cuEventQuery ({what}): {_name(res)}")
+        raise CudaError(f"cuEventQuery ({what % args if args else what}): {_name(res)}")
 
-    def synchronize(self, what: str) -> None:
-        check(cu.cuEventSynchronize(self.handle), f"cuEventSynchronize ({what})")
+    def synchronize(self, what: str, *args) -> None:
+        check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize (" + what + ")", *args)
 
     def elapsed_ms(self, start: "Event") -> float:
         return float(check(cu.cuEventElapsedTime(start.handle, self.handle), "cuEventElapsedTime"))
@@ -166,18 +168,29 @@ class HostBuffer:
             self.ptr = 0
 
 
-def memcpy_htod_async(dst: int, src_ptr: int, nbytes: int, stream: Stream, what: str) -> None:
-    check(cu.cuMemcpyHtoDAsync(dst, src_ptr, nbytes, stream.handle), f"cuMemcpyHtoDAsync ({what}, {nbytes} B)")
+def _copy_failed(call: str, res, what: str, args: tuple, nbytes: int):
+    raise CudaError(f"{call} ({what % args if args else what}, {nbytes} B): {_name(res)}")
+
+
+def memcpy_htod_async(dst: int, src_ptr: int, nbytes: int, stream: Stream, what: str, *args) -> None:
+    """what % args names the copy in the error (formatted only then)."""
+    (res,) = cu.cuMemcpyHtoDAsync(dst, src_ptr, nbytes, stream.handle)
+    if res != cu.CUresult.CUDA_SUCCESS:
+        _copy_failed("cuMemcpyHtoDAsync", res, what, args, nbytes)
     stream.prev_kernel = False
 
 
-def memcpy_dtoh_async(dst_ptr: int, src: int, nbytes: int, stream: Stream, what: str) -> None:
-    check(cu.cuMemcpyDtoHAsync(dst_ptr, src, nbytes, stream.handle), f"cuMemcpyDtoHAsync ({what}, {nbytes} B)")
+def memcpy_dtoh_async(dst_ptr: int, src: int, nbytes: int, stream: Stream, what: str, *args) -> None:
+    (res,) = cu.cuMemcpyDtoHAsync(dst_ptr, src, nbytes, stream.handle)
+    if res != cu.CUresult.CUDA_SUCCESS:
+        _copy_failed("cuMemcpyDtoHAsync", res, what, args, nbytes)
     stream.prev_kernel = False
 
 
 def memset_async(dst: int, nbytes: int, stream: Stream, what: str, value: int = 0) -> None:
-    check(cu.cuMemsetD8Async(dst, value, nbytes, stream.handle), f"cuMemsetD8Async ({what}, {nbytes} B)")
+    (res,) = cu.cuMemsetD8Async(dst, value, nbytes, stream.handle)
+    if res != cu.CUresult.CUDA_SUCCESS:
+        _copy_failed("cuMemsetD8Async", res, what, (), nbytes)
     stream.prev_kernel = False
 
 

@@ -50,7 +50,7 @@ class Graph:
             raise
 
     def launch(self, stream: Stream) -> None:
-        check(cu.cuGraphLaunch(self.exec, stream.handle), f"cuGraphLaunch({self.name})")
+        check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch(%s)", self.name)
         stream.prev_kernel = False
 
     def destroy(self) -> None:

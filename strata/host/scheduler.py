@@ -824,7 +824,7 @@ class Scheduler:
 
         fetched_bytes, enqueue_s = 0, 0.0
         for u, slot in up:
-            blob = await self._wait(blobs[u], st, "io_wait", il, f"expert {experts[u]} of layer {il}")
+            blob = await self._wait(blobs[u], st, "io_wait", il, "expert %d of layer %d", experts[u], il)
             if u in read_now:
                 self._trace_read(st, blob)
             t0 = clock()
@@ -838,7 +838,7 @@ class Scheduler:
 
         cpu_bytes = 0
         if job is not None:
-            res = await self._wait(job, st, "cpu_wait", il, f"the CPU experts of layer {il}")
+            res = await self._wait(job, st, "cpu_wait", il, "the CPU experts of layer %d", il)
             plan.parts.reshape(-1, self.cfg.n_embd)[cpu_pairs] = res.parts
             self.costs.observe_cpu(il, len(cpu_pairs), res.t1 - res.t0)     # from its first blob's arrival
             cpu_bytes = sum(b.nbytes for b in res.blobs)
@@ -914,14 +914,16 @@ class Scheduler:
             if r is not None:
                 return r
 
-    async def _wait(self, fut: Future, st: StepTrace, kind: str, layer: int, what: str):
-        """The result of a thread's future; the time the driver waited is a `kind` span."""
+    async def _wait(self, fut: Future, st: StepTrace, kind: str, layer: int, what: str, *args):
+        """The result of a thread's future; the time the driver waited is a `kind` span. what % args names it
+        if it times out (formatted only then)."""
         if not fut.done():
             t0 = clock()
             try:
                 async with asyncio.timeout(self.poll.timeout_s):
                     await asyncio.wrap_future(fut)
             except TimeoutError:
-                raise TimeoutError(f"{what}: not ready after {self.poll.timeout_s:g} s") from None
+                raise TimeoutError(f"{what % args if args else what}: not ready after {self.poll.timeout_s:g} s") \
+                    from None
             st.span(kind, layer, t0, clock())
         return fut.result()
