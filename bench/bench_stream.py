@@ -1,0 +1,125 @@
+"""Prefill under a VRAM budget, streamed against split (issue 12): one prompt fed in chunks of --step-tokens through
+the engine with experts in host memory (every expert preloaded into the RAM tier, so the disk is out of it), once
+with every chunk's experts streamed (`stream_experts="always"`) and once split between the CPU pool and uploads
+("never"), each after a warm-up prompt; from the trace, per mode: tok/s, ms per chunk and its parts (the trace's
+spans, summing to the wall), and for the streamed run each layer's copy time on the device, the part of it post[l]
+waited for, and the share hidden behind compute.
+
+    python3 bench/bench_stream.py --model models/flash.gguf --tokens 4096 --step-tokens 512     # the GPU machine
+    python bench/bench_stream.py --model models/small.gguf --backend cpu --tokens 256          # the CPU twin
+
+On the CPU backend the twin (CpuBackend(stream=True)) streams: its copies are host memory copies with no device
+time, so its copy and hidden columns are zeros; it checks the script, not the GPU's overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+async def run(a, mode: str, trace: str) -> tuple[float, dict]:
+    from strata.engine import Engine, HostConfig
+    from strata.host.backend import CpuBackend
+    from strata.model.loader import load_model
+    from strata.sampling import SamplingParams
+    host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts="host",
+                      step_tokens=a.step_tokens, stream_experts=mode, prefix_cache_bytes=0,
+                      max_ctx=-(-(a.tokens + 64) // 1024) * 1024)
+    if a.backend == "cpu":
+        model = load_model(a.model)
+        eng = Engine(model, backend=CpuBackend(model, stream=True), host=host, trace=trace)
+    else:
+        eng = await Engine.open(a.model, backend="cuda", host=host, trace=trace)
+    try:
+        await eng.preload_experts()
+        rng = np.random.default_rng(3)
+        vocab = eng.cfg.n_vocab
+        one = SamplingParams(max_tokens=1, stop_at_eos=False)
+        async for _ in eng.generate(rng.integers(300, vocab - 300, min(a.tokens, a.step_tokens)).tolist(), one):
+            pass                                                      # warm-up: kernels, graphs, both size classes
+        prompt = rng.integers(300, vocab - 300, a.tokens).tolist()
+        t0 = time.perf_counter()
+        async for _ in eng.generate(prompt, one):
+            break
+        wall = time.perf_counter() - t0
+        return wall, dict(eng.scheduler.chunk_modes)
+    finally:
+        await eng.aclose()
+
+
+def report(mode: str, wall: float, trace: str, a) -> None:
+    from strata.host.trace import load
+    recs = [r for r in load(trace) if r["kind"] == "prefill"]
+    ids = sorted({r["rows"][0][0] for r in recs})
+    steps = [r for r in recs if r["rows"][0][0] == ids[-1]]          # the measured prompt's chunks
+    spans = defaultdict(float)
+    for r in steps:
+        spans["total"] += r["t1"] - r["t0"]
+        for kind, _, t0, t1 in r["spans"]:
+            spans[kind] += t1 - t0
+    n = len(steps)
+    parts = {k: v / n for k, v in sorted(spans.items(), key=lambda kv: -kv[1]) if k != "total"}
+    modes = sorted({r.get("experts_mode", "split") for r in steps})
+    print(f"{mode}: {a.tokens / wall:.1f} tok/s ({a.tokens} tokens, {n} chunks of <= {a.step_tokens}, modes "
+          f"{modes}); ms per chunk {spans['total'] / n:.1f} = " + " + ".join(f"{k} {v:.1f}" for k, v in parts.items()
+                                                                             if v >= 0.05)
+          + f" + other {spans['total'] / n - sum(parts.values()):.1f}")
+    layers = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    for r in steps:
+        for layer, k, nbytes, copy, exposed in r.get("stream", []):
+            x = layers[layer]
+            x[0] += k
+            x[1] += nbytes
+            x[2] += copy
+            x[3] += exposed
+    if layers:
+        print(f"  per layer, per chunk: {'layer':>5s} {'experts':>8s} {'MB':>8s} {'copy ms':>8s} {'exposed':>8s} "
+              f"{'hidden':>7s}")
+        tot = [0, 0, 0.0, 0.0]
+        for layer in sorted(layers):
+            k, nbytes, copy, exposed = layers[layer]
+            tot = [tot[0] + k, tot[1] + nbytes, tot[2] + copy, tot[3] + exposed]
+            if a.all_layers or layer < 3 or layer >= max(layers) - 1:
+                print(f"  {'':21s}{layer:5d} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
+                      f"{100 * (1 - exposed / copy) if copy else 0:6.1f}%")
+        k, nbytes, copy, exposed = tot
+        rate = nbytes / (copy * 1e-3) / 1e9 if copy else 0.0
+        print(f"  {'':21s}{'all':>5s} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
+              f"{100 * (1 - exposed / copy) if copy else 0:6.1f}%   ({rate:.1f} GB/s while copying)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="models/flash.gguf")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--vram-budget-gib", type=float, default=24.0)
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens measured")
+    ap.add_argument("--step-tokens", type=int, default=512, help="rows a chunk")
+    ap.add_argument("--modes", default="always,never", help="stream_experts settings, each its own engine")
+    ap.add_argument("--all-layers", action="store_true", help="every layer's row (default: the first 3, last 2)")
+    a = ap.parse_args()
+    import uvloop
+    for mode in a.modes.split(","):
+        fd, trace = tempfile.mkstemp(prefix="strata-stream-", suffix=".jsonl")
+        os.close(fd)
+        try:
+            wall, _ = uvloop.run(run(a, mode, trace))
+            report(mode, wall, trace, a)
+        finally:
+            os.unlink(trace)
+
+
+if __name__ == "__main__":
+    main()
