@@ -15,7 +15,6 @@ time, so its copy and hidden columns are zeros; it checks the script, not the GP
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
