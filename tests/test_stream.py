@@ -13,6 +13,7 @@ import pytest
 
 from strata.engine import Engine
 from strata.host.backend import BackendError, CpuBackend, ExpertPlan, Segment, Step
+from strata.host.experts import ExpertLayout
 from strata.host.scheduler import HostConfig, Scheduler
 from strata.model.loader import load_model
 from test_scheduler import TOKENS, VramOnCpu, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
@@ -86,9 +87,7 @@ async def test_streaming_uses_cache_hits_in_place(realistic_gguf):
     """A cache filled by 1-row steps (uploads) stays as it is through streamed chunks: only the experts a layer
     lacks are streamed, the cached ones are computed from their slots, and the logits stay exact."""
     model = load_model(realistic_gguf)
-    probe = Scheduler(model, CpuBackend(model))
-    blob = probe.layout.blob_bytes(0)
-    await probe.aclose()
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
     be = StreamVramOnCpu(model, 12)
     streamed: list[int] = []
     real = be.stream_expert
@@ -120,9 +119,7 @@ async def test_streamed_chunk_fills_free_cache_slots(realistic_gguf):
     """An empty cache: a streamed chunk puts its first lacking experts into the free slots (the same copy), the
     rest into the stream buffer; the next chunk streams only what is still lacking, and the logits stay exact."""
     model = load_model(realistic_gguf)
-    probe = Scheduler(model, CpuBackend(model))
-    blob = probe.layout.blob_bytes(0)
-    await probe.aclose()
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
     be = StreamVramOnCpu(model, 20)
     to_buffer: list[int] = []
     real = CpuBackend.stream_expert

@@ -731,14 +731,7 @@ class Scheduler:
         be.stream_open(il)
         nbytes, blob_bytes, room = 0, self.layout.blob_bytes(il), cache.slots > len(cache)
         for e, f, ram in zip(experts, futs, in_ram.tolist()):
-            if not f.done():
-                try:
-                    async with asyncio.timeout(self.poll.timeout_s):
-                        await asyncio.wrap_future(f)
-                except TimeoutError:
-                    raise TimeoutError(f"expert {e} of layer {il}: not read after {self.poll.timeout_s:g} s") \
-                        from None
-            blob = f.result()
+            blob = f.result() if f.done() else await self._result(f, "expert %d of layer %d", e, il)
             if not ram:
                 self._trace_read(st, blob)
             slot = cache.place(il, e, blob_bytes, set(), evict=False) if room else None
@@ -915,15 +908,21 @@ class Scheduler:
                 return r
 
     async def _wait(self, fut: Future, st: StepTrace, kind: str, layer: int, what: str, *args):
-        """The result of a thread's future; the time the driver waited is a `kind` span. what % args names it
-        if it times out (formatted only then)."""
-        if not fut.done():
-            t0 = clock()
-            try:
-                async with asyncio.timeout(self.poll.timeout_s):
-                    await asyncio.wrap_future(fut)
-            except TimeoutError:
-                raise TimeoutError(f"{what % args if args else what}: not ready after {self.poll.timeout_s:g} s") \
-                    from None
-            st.span(kind, layer, t0, clock())
+        """The result of a thread's future; the time the driver waited is a `kind` span."""
+        if fut.done():
+            return fut.result()
+        t0 = clock()
+        got = await self._result(fut, what, *args)
+        st.span(kind, layer, t0, clock())
+        return got
+
+    async def _result(self, fut: Future, what: str, *args):
+        """A thread's future's result, awaited without blocking the loop; a TimeoutError naming what % args
+        (formatted only then) after the poll policy's timeout."""
+        try:
+            async with asyncio.timeout(self.poll.timeout_s):
+                await asyncio.wrap_future(fut)
+        except TimeoutError:
+            raise TimeoutError(f"{what % args if args else what}: not ready after {self.poll.timeout_s:g} s") \
+                from None
         return fut.result()
