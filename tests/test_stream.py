@@ -42,8 +42,7 @@ class StreamVramOnCpu(VramOnCpu):
     def stream_expert(self, layer, expert, gate, up, down, slot=None):
         if slot is None:
             return super().stream_expert(layer, expert, gate, up, down)
-        assert self.slots[slot] is None, "a streamed expert took an occupied cache slot"
-        self.load_expert(layer, expert, slot, gate, up, down)
+        self.load_expert(layer, expert, slot, gate, up, down)     # a slot the policy freed: its expert goes
 
     def launch_post(self, plan):
         cached = super().resident(plan.layer, plan.experts)

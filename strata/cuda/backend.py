@@ -987,8 +987,10 @@ class CudaBackend:
 
     @_guarded
     def stream_expert(self, layer: int, expert: int, gate, up, down, slot: int | None = None) -> None:
-        """Expert `expert` of the open layer into the next stream slot, or into the free cache slot `slot` (it
-        then stays resident; no launch reads a free slot, so the copy needs no wait but the stream's)."""
+        """Expert `expert` of the open layer into the next stream slot, or into cache slot `slot`, free in the
+        host's policy (it then stays resident). A slot that never held an expert needs no wait but the stream's;
+        one whose old expert the policy dropped (an eviction that freed more room than it used) waits for the
+        launches so far, as load_expert's copies do."""
         s = self._stream[layer % 2] if self.n_stream else None
         if s is None or s["layer"] != layer or not s["open"]:
             raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
@@ -997,16 +999,21 @@ class CudaBackend:
         if (layer, expert) in self._slot_of:
             raise BackendError(f"stream_expert: expert {expert} of layer {layer} is in the cache; a step streams "
                                f"only what its layers lack")
-        if slot is not None and not (0 <= slot < self.n_slots and self._owner[slot] is None):
-            raise BackendError(f"stream_expert: cache slot {slot} is not a free one of {self.n_slots}")
+        if slot is not None and not 0 <= slot < self.n_slots:
+            raise BackendError(f"stream_expert: cache slot {slot} of {self.n_slots}")
         parts = self._device_parts(layer, expert, gate, up, down, "stream_expert")
+        used = False
         if slot is None:
             slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
             s["slots"][expert] = slot
         else:
+            old = self._owner[slot]
+            used = old is not None
+            if used:
+                del self._slot_of[old]
             self._owner[slot] = (layer, expert)
             self._slot_of[(layer, expert)] = slot
-        self._copy_into(slot, parts, (layer, expert, slot), after_launches=False)
+        self._copy_into(slot, parts, (layer, expert, slot), after_launches=used)
         s["keep"].append(parts)
         s["n"] += 1
         s["bytes"] += sum(x.nbytes for x in parts)
