@@ -14,7 +14,7 @@ import pytest
 from strata.engine import Engine
 from strata.host.backend import BackendError, CpuBackend, ExpertPlan, Segment, Step
 from strata.host.experts import ExpertLayout
-from strata.host.scheduler import HostConfig, Scheduler
+from strata.host.scheduler import HostConfig, Scheduler, _size_class
 from strata.model.loader import load_model
 from test_scheduler import TOKENS, VramOnCpu, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
 
@@ -183,26 +183,33 @@ def _views(be, layer, expert):
 
 @pytest.mark.asyncio
 async def test_stream_choice_follows_the_costs(realistic_gguf):
-    """auto: a decode row, or a step whose rows reach few of a layer's experts, never streams; a chunk tries each
-    mode once per size class (streaming first), then takes the one whose steps took less time per row."""
+    """auto: a decode row, or a step whose rows reach few of a layer's experts, never streams; one whose rows give
+    every expert 4 routes on average always does; between the two a step tries each mode once per size class
+    (streaming first), then takes the one whose steps took less time per row."""
     model = load_model(realistic_gguf)
     cfg = model.cfg
     sched = Scheduler(model, CpuBackend(model, stream=True), HostConfig(stream_experts="auto"))
     try:
-        small = -(-cfg.n_expert // cfg.n_expert_used) - 1          # T k < n_expert
-        assert not sched._streams(SimpleNamespace(T=1)) and not sched._streams(SimpleNamespace(T=small))
-        assert sched._streams(SimpleNamespace(T=512))            # unmeasured: stream first
-        sched._mode_cost[512] = {"stream": 2e-3}
-        assert not sched._streams(SimpleNamespace(T=300))        # the same size class: the split's turn
-        sched._mode_cost[512]["split"] = 1e-3
-        assert not sched._streams(SimpleNamespace(T=512))        # the split measured faster
-        sched._mode_cost[512]["split"] = 3e-3
-        assert sched._streams(SimpleNamespace(T=512))
-        assert sched._streams(SimpleNamespace(T=1024))           # another size class: unmeasured
-        await sched.score(TOKENS)                               # steps of 16 rows: both modes measured
-        assert set(sched._mode_cost[16]) == {"stream"} and sched.chunk_modes["stream"] == 1
-        await sched.score(TOKENS)
-        assert set(sched._mode_cost[16]) == {"stream", "split"} and sched.chunk_modes["split"] == 1
+        T = lambda reach: int(reach * cfg.n_expert / cfg.n_expert_used)     # rows giving `reach` routes an expert
+        assert not sched._streams(SimpleNamespace(T=1)) and not sched._streams(SimpleNamespace(T=T(0.9)))
+        assert sched._streams(SimpleNamespace(T=T(4)))            # sure: no trial of the split
+        sched._mode_cost[_size_class(T(4))] = {"stream": 1.0, "split": 1e-9}
+        assert sched._streams(SimpleNamespace(T=T(4)))
+        mid = T(2)
+        b = _size_class(mid)
+        assert sched._streams(SimpleNamespace(T=mid))             # unmeasured: stream first
+        sched._mode_cost[b] = {"stream": 2e-3}
+        assert not sched._streams(SimpleNamespace(T=mid))         # then the split's turn
+        sched._mode_cost[b]["split"] = 1e-3
+        assert not sched._streams(SimpleNamespace(T=mid))         # the split measured faster
+        sched._mode_cost[b]["split"] = 3e-3
+        assert sched._streams(SimpleNamespace(T=mid))
+        sched._mode_cost.clear()
+        sched.step_tokens = sched.logit_rows = mid
+        await sched.score(TOKENS[:mid])                         # steps of `mid` rows: both modes measured
+        assert set(sched._mode_cost[b]) == {"stream"} and sched.chunk_modes["stream"] == 1
+        await sched.score(TOKENS[:mid])
+        assert set(sched._mode_cost[b]) == {"stream", "split"} and sched.chunk_modes["split"] == 1
         never = Scheduler(model, CpuBackend(model, stream=True), HostConfig(stream_experts="never"))
         assert not never._streams(SimpleNamespace(T=512))
         await never.aclose()

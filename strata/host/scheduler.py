@@ -67,6 +67,7 @@ def _size_class(T: int) -> int:
     return 1 << max(T - 1, 0).bit_length()
 
 
+STREAM_SURE = 4            # routes per expert from which a step streams without trying the split
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 
@@ -101,10 +102,11 @@ class HostConfig:
                                             # result. Measured on the 2-vCPU VM: bench/RESULTS.md
     stream_experts: str = "auto"            # a step of several rows under a VRAM budget: "auto" streams every
                                             # expert a layer lacks in VRAM through a double buffer (layer l + 1
-                                            # copied while layer l computes) when its steps of that size took
-                                            # less time per row than splitting the misses between the CPU pool
-                                            # and uploads (each tried once); "always", "never". A prompt evicts
-                                            # nothing from the cache (it fills free slots)
+                                            # copied while layer l computes) for rows that reach most experts
+                                            # (Scheduler._streams: by the rows' reach, then by the measured time
+                                            # per row of each mode against splitting the misses between the CPU
+                                            # pool and uploads); "always", "never". A prompt evicts nothing from
+                                            # the cache (it fills free slots)
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
@@ -696,17 +698,20 @@ class Scheduler:
     # ---- streaming a step's experts ------------------------------------------------------------------------------
     def _streams(self, step: Step) -> bool:
         """Stream this step's experts (every expert a layer lacks in VRAM, copied while the layer before
-        computes), or split each layer's misses between the CPU pool and uploads, by measured cost: the wall
-        time per row each mode took on steps of this size class, each mode tried once first. Streaming copies
-        experts no row routes to: a step whose rows reach under about two thirds of a layer's experts
-        (T k < n_expert) splits."""
+        computes), or split each layer's misses between the CPU pool and uploads. Streaming copies experts no
+        row routes to: a step whose rows reach under about two thirds of a layer's experts (T k < n_expert)
+        splits; one whose rows give every expert STREAM_SURE routes on average (T k >= STREAM_SURE n_expert)
+        streams, since a split would hand the CPU pool thousands of experts (seconds, not worth one trial);
+        between the two, by measured cost: the wall time per row each mode took on steps of this size class,
+        each tried once first."""
         be, cfg, mode = self.backend, self.cfg, self.host.stream_experts
         if mode == "never" or step.T < 2 or not getattr(be, "stream_slots", lambda: 0)():
             return False
         if mode == "always":
             return True
-        if step.T * cfg.n_expert_used < cfg.n_expert:
-            return False
+        reach = step.T * cfg.n_expert_used / cfg.n_expert
+        if reach < 1 or reach >= STREAM_SURE:
+            return reach >= 1
         seen = self._mode_cost.get(_size_class(step.T), {})
         for m in ("stream", "split"):         # unmeasured at this size: try it
             if m not in seen:
