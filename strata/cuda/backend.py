@@ -51,7 +51,7 @@ from strata.kernels import ple as kple
 from strata.kernels import qsa as kqsa
 from strata.kernels.gemv import Job, device_row_bytes
 from strata.model.loader import Model
-from strata.quant.formats import QType
+from strata.quant.formats import QType, row_bytes
 from strata.reference.common import rope_inv_freq
 from strata.reference.model import StageDump
 
@@ -92,6 +92,16 @@ class _Seq:
     t_pre: float = 0.0
     ple_ready: bool = False      # this token's PLE vector is in pinned staging (begin or stage_ple)
     live: bool = True
+
+
+def as_is_shapes(types: tuple[int, int, int], E: int, Fn: int) -> tuple | None:
+    """A layer's expert gate, up and down slices' (rows, row bytes) where the kernels take its file types as they
+    are (no conversion, no padding); None where a slice must be converted (device_rows)."""
+    dims = ((Fn, E), (Fn, E), (E, Fn))
+    if not all(device_type(t) == QType(t) and row_bytes(t, n_in) == device_row_bytes(t, n_in)
+               for t, (_, n_in) in zip(types, dims)):
+        return None
+    return tuple((rows, device_row_bytes(t, n_in)) for t, (rows, n_in) in zip(types, dims))
 
 
 def _guarded(method):
@@ -366,6 +376,7 @@ class CudaBackend:
         # the cache: n_slots slots of [gate | up | down], each part 256-aligned, sized for the widest layer
         self.file_types = [self._file_types(lw) for lw in W.layers]
         types = [tuple(device_type(t) for t in ft) for ft in self.file_types]
+        self._as_is = [as_is_shapes(ft, E, Fn) for ft in self.file_types]
         for il, ft in enumerate(self.file_types):
             for t, what in zip(ft, ("gate", "up", "down")):
                 note = conversion_note(f"blk.{il}.ffn_{what}_exps (each load_expert)", t)
@@ -911,6 +922,12 @@ class CudaBackend:
         self.loads_turn = (i + 1) % LOAD_EVENTS
 
     def _device_parts(self, layer: int, expert: int, gate, up, down, call: str) -> tuple:
+        """The three slices in the kernels' format: as given where the layer's types need no conversion and
+        they are uint8 (rows, row bytes) already (a blob's views: the streamed path's common case)."""
+        shapes = self._as_is[layer]
+        if (shapes is not None and gate.dtype == U8 and up.dtype == U8 and down.dtype == U8
+                and (gate.shape, up.shape, down.shape) == shapes):
+            return gate, up, down
         cfg = self.cfg
         fg, fu, fd = self.file_types[layer]
         E, Fn = cfg.n_embd, cfg.n_ff_exp
@@ -924,17 +941,20 @@ class CudaBackend:
         format, else through a pinned staging buffer. after_launches: the copy waits for every launch so far
         (a cache slot that one of them may read); a stream slot's wait is stream_open's. what: (layer, expert,
         slot), for an error's message."""
-        if all(self.cells.owns(p) and p.flags.c_contiguous for p in parts):   # pinned and in device format
-            if after_launches:
+        src = [p.__array_interface__["data"][0] for p in parts]
+        at = (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])
+        contiguous = all(p.flags.c_contiguous for p in parts)
+        one = contiguous and src[1] - src[0] == at[1] and src[2] - src[0] == at[2]   # laid out as the slot is
+        if one and self.cells.owns_span(src[0], at[2] + parts[2].nbytes) or \
+                not one and contiguous and all(self.cells.owns_span(a, p.nbytes) for a, p in zip(src, parts)):
+            if after_launches:                                                   # pinned, in device format
                 self._side_after_launches()
             base = self.slot_buf.ptr + slot * self.slot_bytes
-            at = (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])
-            src = [rows.ctypes.data for rows in parts]
-            if src[1] - src[0] == at[1] and src[2] - src[0] == at[2]:       # laid out as the slot is: one copy
+            if one:
                 drv.memcpy_htod_async(base, src[0], at[2] + parts[2].nbytes, self.side, COPY_WHAT, *what)
                 return
-            for rows, a, p in zip(parts, at, src):
-                drv.memcpy_htod_async(base + a, p, rows.nbytes, self.side, COPY_WHAT, *what)
+            for p, a, ptr in zip(parts, at, src):
+                drv.memcpy_htod_async(base + a, ptr, p.nbytes, self.side, COPY_WHAT, *what)
             return
         i = self.load_turn
         if self.load_used[i]:

@@ -68,9 +68,12 @@ class Cells:
 
     def owns(self, a: np.ndarray) -> bool:
         """a's memory lies inside one of the chunks."""
-        p = a.__array_interface__["data"][0]
+        return self.owns_span(a.__array_interface__["data"][0], a.nbytes)
+
+    def owns_span(self, p: int, nbytes: int) -> bool:
+        """Bytes [p, p + nbytes) lie inside one of the chunks."""
         i = bisect.bisect(self._starts, p) - 1
-        return i >= 0 and p + a.nbytes <= self._ends[i]
+        return i >= 0 and p + nbytes <= self._ends[i]
 
     def close(self, free: Callable[[object], None] = lambda keep: None) -> None:
         with self._lock:

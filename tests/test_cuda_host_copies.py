@@ -1,0 +1,107 @@
+"""The CUDA backend's host side of an expert copy, run without a GPU (the driver's copy call recorded): a blob in a
+pinned cell laid out as a slot is one copy of the whole slot, one laid out otherwise three, one outside the cells
+goes through pinned staging at the slot's offsets; the kernels' slices are the blob's own views where the layer's
+types need no conversion. The GPU tests run the same code against the device."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata.cuda import backend as cb
+from strata.cuda import driver as drv
+from strata.cuda.weights import device_rows
+from strata.host.cells import Cells, numpy_chunks
+from strata.kernels.gemv import device_row_bytes
+from strata.quant import QType, random_blocks, row_bytes
+
+
+class FakeHost:
+    """A pinned staging buffer's stand-in: numpy memory with .ptr and .array like drv.HostBuffer."""
+
+    def __init__(self, nbytes):
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.ptr = self.mem.__array_interface__["data"][0]
+
+    def array(self, dtype, shape, offset=0):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.mem[offset:offset + n].view(dtype).reshape(shape)
+
+
+def backend(qt, E, Fn, monkeypatch):
+    be = object.__new__(cb.CudaBackend)
+    al = lambda n: (n + 255) // 256 * 256
+    be.cfg = SimpleNamespace(n_embd=E, n_ff_exp=Fn)
+    be.file_types = [(int(qt),) * 3]
+    be._as_is = [cb.as_is_shapes(be.file_types[0], E, Fn)]
+    be.slot_parts = (al(Fn * device_row_bytes(qt, E)), al(Fn * device_row_bytes(qt, E)),
+                     al(E * device_row_bytes(qt, Fn)))
+    be.slot_bytes = sum(be.slot_parts)
+    be.cells = Cells(be.slot_bytes, numpy_chunks)
+    be.slot_buf = SimpleNamespace(ptr=1 << 40)
+    be.side, be._mark_needed = "side", False
+    be.h_load = [FakeHost(be.slot_bytes) for _ in range(cb.LOAD_STAGING)]
+    be.ev_load = [SimpleNamespace(record=lambda s: None, synchronize=lambda what: None)
+                  for _ in range(cb.LOAD_STAGING)]
+    be.load_used, be.load_turn = [False] * cb.LOAD_STAGING, 0
+    copies = []
+    monkeypatch.setattr(drv, "memcpy_htod_async",
+                        lambda dst, src, n, stream, what, *args: copies.append((dst, src, n, what % args)))
+    return be, copies
+
+
+def blob(be, qt, E, Fn, pinned: bool, seed=0):
+    """An expert's three slices back to back (as ExpertBlob lays them out), in a cell or in numpy memory."""
+    sizes = (Fn * row_bytes(qt, E), Fn * row_bytes(qt, E), E * row_bytes(qt, Fn))
+    buf = be.cells.take(sum(sizes)) if pinned else np.empty(sum(sizes), np.uint8)
+    rng = np.random.default_rng(seed)
+    at = np.cumsum([0, *sizes])
+    rows = (Fn, Fn, E)
+    parts = [buf[a:b].reshape(r, -1) for a, b, r in zip(at[:-1], at[1:], rows)]
+    for p, n_in in zip(parts, (E, E, Fn)):
+        p[:] = random_blocks(qt, (p.shape[0], n_in), rng, 1.0).reshape(p.shape)
+    return parts
+
+
+@pytest.mark.parametrize("qt,E,Fn,pinned,n_copies", [
+    (QType.Q2_0, 2560, 640, True, 1),       # flash: 460,800-byte slices, laid out as the slot is
+    (QType.Q8_0, 64, 32, True, 3),          # 2,176-byte slices: the slot's parts are 256-aligned apart
+    (QType.Q8_0, 64, 32, False, 1),         # not in a cell: staged, one copy of the whole slot
+])
+def test_expert_copy_paths(qt, E, Fn, pinned, n_copies, monkeypatch):
+    be, copies = backend(qt, E, Fn, monkeypatch)
+    g, u, d = blob(be, qt, E, Fn, pinned)
+    parts = be._device_parts(0, 3, g, u, d, "test")
+    assert all(a is b for a, b in zip(parts, (g, u, d)))          # no conversion: the blob's own views
+    for p, ref, n_in in zip(parts, (g, u, d), (E, E, Fn)):
+        assert np.array_equal(p, device_rows(ref, qt, ref.shape[0], n_in))
+    slot = 5
+    be._copy_into(slot, parts, (0, 3, slot), after_launches=False)
+    assert len(copies) == n_copies
+    base = be.slot_buf.ptr + slot * be.slot_bytes
+    assert all(c[3] == "expert 0.3 -> slot 5" for c in copies)
+    if not pinned:                                              # the staging buffer holds the slot's image
+        dst, src, n, _ = copies[0]
+        st = be.h_load[0]
+        assert (dst, src, n) == (base, st.ptr, be.slot_bytes)
+        offs = (0, be.slot_parts[0], be.slot_parts[0] + be.slot_parts[1])
+        for p, o in zip(parts, offs):
+            assert np.array_equal(st.mem[o:o + p.nbytes], p.reshape(-1))
+        return
+    ptr = g.__array_interface__["data"][0]
+    if n_copies == 1:
+        assert copies == [(base, ptr, be.slot_bytes, "expert 0.3 -> slot 5")]
+    else:
+        offs = (0, be.slot_parts[0], be.slot_parts[0] + be.slot_parts[1])
+        assert [(c[0] - base, c[2]) for c in copies] == [(o, p.nbytes) for o, p in zip(offs, parts)]
+        assert [c[1] for c in copies] == [p.__array_interface__["data"][0] for p in parts]
+
+
+def test_a_slice_the_kernels_cannot_take_is_converted(monkeypatch):
+    """Rows of another shape than the file type's are not taken as they are: device_rows checks them."""
+    be, _ = backend(QType.Q8_0, 64, 32, monkeypatch)
+    g, u, d = blob(be, QType.Q8_0, 64, 32, True)
+    with pytest.raises(cb.BackendError, match="layer 0 expert 3"):
+        be._device_parts(0, 3, g.reshape(-1)[:-34].reshape(-1, 34)[:32], u, d, "test")
