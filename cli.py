@@ -278,8 +278,9 @@ def _engine_options(g) -> None:
     g.add_argument("--stream-experts", default="auto", choices=["auto", "always", "never"],
                    help="experts in host memory, a step of several rows (a prompt chunk): copy every expert a layer "
                         "lacks in VRAM through a double buffer while the layer before computes, instead of splitting "
-                        "the misses between the CPU pool and uploads; auto: when the measured costs say it is "
-                        "faster (the trace says which each step used)")
+                        "the misses between the CPU pool and uploads; auto: by how many routes the chunk's rows give "
+                        "each expert, then by each mode's measured time per row (the trace says which each step "
+                        "used)")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
     g.add_argument("--step-tokens", type=int, default=512,
