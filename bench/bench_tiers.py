@@ -61,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-tokens", type=int, default=512, help="prompt rows per step (HostConfig.step_tokens)")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU expert pool threads (default: one per core)")
     p.add_argument("--io-threads", type=int, default=32, help="reads in flight at once (default 32)")
+    p.add_argument("--prefetch", default="off", choices=["off", "previous", "router"],
+                   help="HostConfig.prefetch: start reading each layer's likely experts while the layer before runs")
     p.add_argument("--buffered", action="store_true", help="buffered preads (the page cache) instead of O_DIRECT")
     p.add_argument("--raw-reads", type=int, default=2000, help="reads per raw disk measurement (0: skip them)")
     p.add_argument("--json", help="also write the results here (one JSON object)")
@@ -147,7 +149,7 @@ async def one(c: dict) -> dict:
                       experts=("mapped" if c["backend"] == "cpu" else "vram") if mapped else "host",
                       host_budget_bytes=None if budget in ("all", "mapped") else int(float(budget) * GIB),
                       ple_cache_bytes=int(c["ple_cache_mib"] * MIB), direct_io=not c["buffered"],
-                      io_threads=c["io_threads"], step_tokens=c["step_tokens"],
+                      io_threads=c["io_threads"], step_tokens=c["step_tokens"], prefetch=c["prefetch"],
                       max_ctx=max(8192, -(-(c["prefill"] + 64) // 1024) * 1024), prefix_cache_bytes=0)
     lines: list[str] = []
     t0 = time.perf_counter()
@@ -221,7 +223,7 @@ def run_child(a: argparse.Namespace, budget: str) -> dict:
     c = {"model": a.model, "backend": a.backend, "vram_budget_gib": a.vram_budget_gib, "budget": budget,
          "ple_cache_mib": a.ple_cache_mib, "tokens": a.tokens, "warmup": a.warmup, "cpu_threads": a.cpu_threads,
          "io_threads": a.io_threads, "buffered": a.buffered, "trace": trace, "prefill": a.prefill,
-         "step_tokens": a.step_tokens}
+         "step_tokens": a.step_tokens, "prefetch": a.prefetch}
     try:
         r = subprocess.run([sys.executable, __file__, "--model", a.model, "--child", json.dumps(c)],
                            capture_output=True, text=True)
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {a.model} ({os.path.getsize(a.model) / GIB:.3f} GiB; {cfg.n_layer} layers, {cfg.n_expert} experts "
           f"top-{cfg.n_expert_used}, blob {blob / 1e3:.1f} kB, all experts {all_experts / GIB:.3f} GiB); backend "
           f"{a.backend}; PLE cache {a.ple_cache_mib:g} MiB; reads {'buffered' if a.buffered else 'O_DIRECT'}, "
-          f"{a.io_threads} in flight")
+          f"{a.io_threads} in flight; prefetch {a.prefetch}")
     out: dict = {"model": a.model, "raw": [], "configs": []}
     if a.raw_reads:
         span = align_up(max(sl.nbytes for sl in layout.layers[0])) + ALIGN     # one slice's span, as the store reads

@@ -4,7 +4,7 @@
 #   bash bench/gpu_tiers.sh realistic|uniform [budgets, default 8,16,32]
 #   bash bench/gpu_tiers.sh ple          (flash's 4 first layers' geometry with the full 28.8 GB PLE table)
 # Env: TOKENS (decode tokens measured, 32), WARMUP (warm-up tokens, 24), PREFILL (prompt tokens, 512), STEP (rows a
-# step, 512), RAW (reads per raw disk measurement, 1000; 0 skips them).
+# step, 512), RAW (reads per raw disk measurement, 1000; 0 skips them), PREFETCH (off, previous or router).
 set -o pipefail
 cd "$(dirname "$0")/.."
 what=${1:?realistic, uniform or ple}
@@ -28,5 +28,5 @@ if [ ! -f $model ]; then
     echo "made $model in $(( $(date +%s) - t0 )) s: $(du -h $model | cut -f1)"
 fi
 python3 bench/bench_tiers.py --model $model --backend cuda --vram-budget-gib 24 --host-budgets "$budgets" \
-    --tokens "${TOKENS:-32}" --warmup "${WARMUP:-24}" --raw-reads "${RAW:-1000}" --prefill "${PREFILL:-512}" --step-tokens "${STEP:-512}" \
+    --tokens "${TOKENS:-32}" --warmup "${WARMUP:-24}" --raw-reads "${RAW:-1000}" --prefill "${PREFILL:-512}" --prefetch "${PREFETCH:-off}" --step-tokens "${STEP:-512}" \
     --json "${OUT:-/tmp}/tiers_$what.json" 2>&1 | tee "${OUT:-/tmp}/tiers_$what.log"
