@@ -105,3 +105,33 @@ def test_a_slice_the_kernels_cannot_take_is_converted(monkeypatch):
     g, u, d = blob(be, QType.Q8_0, 64, 32, True)
     with pytest.raises(cb.BackendError, match="layer 0 expert 3"):
         be._device_parts(0, 3, g.reshape(-1)[:-34].reshape(-1, 34)[:32], u, d, "test")
+
+
+def test_cache_bookkeeping_is_one_map(monkeypatch):
+    """load_expert replaces a slot's expert: resident() (vectorized) and the slot map agree after every load,
+    the old expert is no longer resident, and every load copied its slices."""
+    qt, E, Fn = QType.Q8_0, 64, 32
+    be, copies = backend(qt, E, Fn, monkeypatch)
+    n_layer, n_exp, n_slots = 3, 8, 4
+    be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
+    be.file_types *= n_layer
+    be._as_is *= n_layer
+    be.experts, be.n_slots, be._failed, be._loaded = "host", n_slots, None, []
+    be._slot_of, be._owner = {}, [None] * n_slots
+    be._slots = np.full((n_layer, n_exp), -1, np.int32)
+    rng = np.random.default_rng(1)
+    held: dict[int, tuple[int, int]] = {}
+    for i in range(40):
+        layer, expert, slot = int(rng.integers(n_layer)), int(rng.integers(n_exp)), int(rng.integers(n_slots))
+        if (layer, expert) in be._slot_of:
+            continue
+        be.load_expert(layer, expert, slot, *blob(be, qt, E, Fn, True, seed=i))
+        held = {s: k for s, k in held.items() if k != (layer, expert)}
+        held[slot] = (layer, expert)
+        want = np.zeros((n_layer, n_exp), bool)
+        for ly, e in held.values():
+            want[ly, e] = True
+        got = np.stack([be.resident(ly, np.arange(n_exp)) for ly in range(n_layer)])
+        assert np.array_equal(got, want)
+        assert {k: s for s, k in held.items()} == be._slot_of
+    assert len(copies) == 3 * len(be._loaded)

@@ -408,6 +408,7 @@ class CudaBackend:
                 DevMat(slots, int(td), E, Fn, device_row_bytes(td, Fn), n), od, st))
         self._slot_of: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * self.n_slots
+        self._slots = np.full((cfg.n_layer, cfg.n_expert), -1, I32)    # the same map, for vectorized lookups
 
     def _upload(self) -> None:
         up = Uploader(self.stream)
@@ -872,7 +873,7 @@ class CudaBackend:
     def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
         if self.experts == "vram":
             return np.ones(len(experts), bool)
-        return np.array([(layer, int(e)) in self._slot_of for e in experts], bool)
+        return self._slots[layer, np.asarray(experts, np.int64)] >= 0
 
     def expert_slots(self) -> int:
         return self.n_slots
@@ -889,11 +890,17 @@ class CudaBackend:
         parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
         self._copy_into(slot, parts, (layer, expert, slot), after_launches=True)
         self._loaded.append(parts)                      # kept (a blob's cell) until the copies are done
+        self._own(slot, layer, expert)
+
+    def _own(self, slot: int, layer: int, expert: int) -> None:
+        """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
         old = self._owner[slot]
         if old is not None:
             del self._slot_of[old]
+            self._slots[old] = -1
         self._owner[slot] = (layer, expert)
         self._slot_of[(layer, expert)] = slot
+        self._slots[layer, expert] = slot
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Host memory for an expert blob (strata.host.experts.ExpertStore): a pinned cell when experts="host"
@@ -1027,12 +1034,8 @@ class CudaBackend:
             slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
             s["slots"][expert] = slot
         else:
-            old = self._owner[slot]
-            used = old is not None
-            if used:
-                del self._slot_of[old]
-            self._owner[slot] = (layer, expert)
-            self._slot_of[(layer, expert)] = slot
+            used = self._owner[slot] is not None
+            self._own(slot, layer, expert)
         self._copy_into(slot, parts, (layer, expert, slot), after_launches=used)
         s["keep"].append(parts)
         s["n"] += 1
@@ -1089,15 +1092,12 @@ class CudaBackend:
         else:
             if (~mask).any():
                 self.post_parts[~mask] = parts[~mask]
-            for j in range(k):
-                if mask[j]:
-                    slot = self._slot_of.get((layer, int(ids[j])))
-                    if slot is None:
-                        raise BackendError(f"launch_post: expert {int(ids[j])} of layer {layer} is marked resident "
-                                           f"but is in no cache slot")
-                    self.post_slots[j] = slot
-                else:
-                    self.post_slots[j] = -1
+            slots = np.where(mask, self._slots[layer, np.asarray(ids, np.int64)], -1)
+            bad = mask & (slots < 0)
+            if bad.any():
+                raise BackendError(f"launch_post: expert {int(ids[bad][0])} of layer {layer} is marked resident "
+                                   f"but is in no cache slot")
+            self.post_slots[:] = slots
             self._loads_before_post()
             drv.memcpy_htod_async(self.b_post_in.ptr, self.h_post.ptr, self.h_post.nbytes, self.stream,
                                   "post[%d] inputs", layer)
@@ -1122,14 +1122,17 @@ class CudaBackend:
             s = s if s is not None and s["layer"] == layer else None
             if s is not None and s["open"]:
                 raise BackendError(f"launch_post: layer {layer}'s stream is open (stream_close first)")
-            streamed = s["slots"] if s is not None else {}
-            for e in plan.experts[plan.resident]:
-                slot = self._slot_of.get((layer, int(e)))
-                slot = streamed.get(int(e)) if slot is None else slot
-                if slot is None:
-                    raise BackendError(f"launch_post: expert {int(e)} of layer {layer} is marked resident but is "
-                                       f"in no cache slot and was not streamed")
-                slot_of[e] = slot
+            res = plan.experts[plan.resident]
+            slot_of[res] = self._slots[layer, res]
+            lost = res[slot_of[res] < 0]
+            if lost.size:                               # not in the cache: streamed, or the plan is wrong
+                streamed = s["slots"] if s is not None else {}
+                for e in lost.tolist():
+                    slot = streamed.get(e)
+                    if slot is None:
+                        raise BackendError(f"launch_post: expert {e} of layer {layer} is marked resident but is "
+                                           f"in no cache slot and was not streamed")
+                    slot_of[e] = slot
             self._loads_before_post()
             if s is not None:                           # post[layer] runs after its experts' copies
                 self.ev_m[layer].record(self.stream)
