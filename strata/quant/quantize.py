@@ -200,13 +200,17 @@ def _k_scales_codes(xb, yb, L, Laux, w, scales, mins, nmax, rmin, nstep):
 
 
 @njit(**_JIT)
+def _k_scratch():
+    """_k_scales_codes' work arrays for one block, allocated once per call of a quantizer: L, Laux, w, scales,
+    mins."""
+    return (np.empty(QK_K, np.int64), np.empty(32, np.int64), np.empty(32, np.float32), np.empty(8, np.float32),
+            np.empty(8, np.float32))
+
+
+@njit(**_JIT)
 def _q4_k(x, y):
     """x: f32 (nb, 256) -> y: uint8 (nb, 144)."""
-    L = np.empty(QK_K, np.int64)
-    Laux = np.empty(32, np.int64)
-    w = np.empty(32, np.float32)
-    scales = np.empty(8, np.float32)
-    mins = np.empty(8, np.float32)
+    L, Laux, w, scales, mins = _k_scratch()
     for i in range(x.shape[0]):
         y[i, :] = 0
         _k_scales_codes(x[i], y[i], L, Laux, w, scales, mins, 15, f32(-1.0), 20)
@@ -218,11 +222,7 @@ def _q4_k(x, y):
 @njit(**_JIT)
 def _q5_k(x, y):
     """x: f32 (nb, 256) -> y: uint8 (nb, 176): quantize_row_q5_K_ref, _q4_k's scheme with 5-bit codes."""
-    L = np.empty(QK_K, np.int64)
-    Laux = np.empty(32, np.int64)
-    w = np.empty(32, np.float32)
-    scales = np.empty(8, np.float32)
-    mins = np.empty(8, np.float32)
+    L, Laux, w, scales, mins = _k_scratch()
     for i in range(x.shape[0]):
         y[i, :] = 0
         _k_scales_codes(x[i], y[i], L, Laux, w, scales, mins, 31, f32(-0.5), 15)
