@@ -202,8 +202,8 @@ class CpuBackend:
     expert store), the CPU twin of an empty VRAM cache. With stream=True a step of several rows may also stream
     them (stream_open .. stream_close): the CPU twin of CudaBackend's stream buffers, copies of the blobs kept per
     layer parity that post computes with the CPU pool's compiled batch, the double buffer's protocol checked. The
-    engine leaves it off on the CPU: the pool computes the same experts without the copies, and the cost model's
-    stream estimate (copy time only, the device's compute being a GPU's) would not see that.
+    engine leaves it off on the CPU: the pool computes the same experts without the copies, and a chunk whose rows
+    reach every expert several times would stream without a trial of the split (Scheduler._streams).
     experts="mapped": every expert is resident: post computes
     the layer's routed experts itself from the mapped file, in one compiled batch (the CPU twin of
     CudaBackend(experts="vram")), so a layer's experts cost no host work and no hand-off to the pool.
