@@ -57,7 +57,6 @@ def run_protocol(be, model, tokens, cache=None, dump=None, whole=False) -> np.nd
     post, then the head. `cache(layer, experts)` runs between the route and the post (the host's cache policy
     loading experts)."""
     cfg, W = model.cfg, model.weights
-    k, E = cfg.n_expert_used, cfg.n_embd
     seq = be.new_seq(dump)
     window = NgramWindow.start(cfg) if cfg.ple_layers else None
     out = []
@@ -71,25 +70,36 @@ def run_protocol(be, model, tokens, cache=None, dump=None, whole=False) -> np.nd
                 be.begin(step)
                 if ple_e is not None:
                     be.stage_ple(ple_e)
-                for il in range(cfg.n_layer):
-                    be.launch_pre(il)
-                    r = _wait(lambda: be.poll_route(il), f"route of layer {il}")
-                    plan = ExpertPlan.of(il, r.ids, E)
-                    if cache is not None:
-                        cache(il, plan.experts)
-                    plan.resident = be.resident(il, plan.experts)
-                    flat = plan.parts.reshape(-1, E)
-                    for u in np.flatnonzero(~plan.resident):
-                        p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
-                        flat[p] = expert_ffn(*W.layers[il].expert(int(plan.experts[u])), r.x[p // k])
-                    be.launch_post(plan)
-                be.launch_head()
+                _layers(be, model, cache)
             out.append(_wait(be.poll_logits, "logits")[0])
             if window is not None:
                 window.advance(cfg, t)
     finally:
         be.free_seq(seq)
     return np.stack(out)
+
+
+def _layers(be, model, cache, rows: int | None = None) -> None:
+    """A begun step's layers as the scheduler runs them (pre -> doorbell -> the host's experts for the routes the
+    backend does not hold -> post), then the head. `cache(layer, experts)` runs between the route and the post;
+    rows: the step's row count, checked against each route."""
+    cfg, W = model.cfg, model.weights
+    k, E = cfg.n_expert_used, cfg.n_embd
+    for il in range(cfg.n_layer):
+        be.launch_pre(il)
+        r = _wait(lambda: be.poll_route(il), f"route of layer {il}")
+        if rows is not None:
+            assert r.ids.shape == (rows, k)
+        plan = ExpertPlan.of(il, r.ids, E)
+        if cache is not None:
+            cache(il, plan.experts)
+        plan.resident = be.resident(il, plan.experts)
+        flat = plan.parts.reshape(-1, E)
+        for u in np.flatnonzero(~plan.resident):
+            p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
+            flat[p] = expert_ffn(*W.layers[il].expert(int(plan.experts[u])), r.x[p // k])
+        be.launch_post(plan)
+    be.launch_head()
 
 
 def _check(name, out, ref):
@@ -275,7 +285,6 @@ def run_steps(be, model, tokens, sizes, cache=None, whole=False) -> np.ndarray:
     (the numpy expert) for the rows that route to them, as the CPU pool does. whole: each step as the backend's
     whole-step graph (experts='vram')."""
     cfg, W = model.cfg, model.weights
-    k, E = cfg.n_expert_used, cfg.n_embd
     seq = be.new_seq()
     window = NgramWindow.start(cfg) if cfg.ple_layers else None
     out, pos = [], 0
@@ -292,21 +301,7 @@ def run_steps(be, model, tokens, sizes, cache=None, whole=False) -> np.ndarray:
                 be.begin(step)
                 if e is not None:
                     be.stage_ple(e)
-            for il in range(cfg.n_layer if not whole else 0):
-                be.launch_pre(il)
-                r = _wait(lambda: be.poll_route(il), f"route of layer {il}")
-                assert r.ids.shape == (n, k)
-                plan = ExpertPlan.of(il, r.ids, E)
-                if cache is not None:
-                    cache(il, plan.experts)
-                plan.resident = be.resident(il, plan.experts)
-                flat = plan.parts.reshape(-1, E)
-                for u in np.flatnonzero(~plan.resident):
-                    p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
-                    flat[p] = expert_ffn(*W.layers[il].expert(int(plan.experts[u])), r.x[p // k])
-                be.launch_post(plan)
-            if not whole:
-                be.launch_head()
+                _layers(be, model, cache, rows=n)
             got = _wait(be.poll_logits, "logits")
             assert got.shape == (n, cfg.n_vocab)
             out.append(got)

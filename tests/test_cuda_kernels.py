@@ -313,14 +313,10 @@ def test_write_rms(rig):
 
 # ---- GDN ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
-def test_gdn_core(rig, Hk, Hv, D):
-    """gdn_core over 7 tokens (the conv ring wraps) against gdn_chunk one token a step, with ssm_out = identity so
-    its output is y."""
-    rng = np.random.default_rng(D + Hv)
-    cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
-    E, K, cd, vd = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim
-    w = SimpleNamespace(
+def _gdn_weights(rng, cfg) -> SimpleNamespace:
+    """A GDN layer's f32 weights, ssm_out the identity (the kernels' output is y)."""
+    E, K, cd, vd, Hv, D = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim, cfg.ssm_v_heads, cfg.ssm_state
+    return SimpleNamespace(
         attn_qkv=(rng.standard_normal((cd, E)) / np.sqrt(E)).astype(F32),
         attn_gate=(rng.standard_normal((vd, E)) / np.sqrt(E)).astype(F32),
         ssm_beta=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
@@ -328,6 +324,16 @@ def test_gdn_core(rig, Hk, Hv, D):
         ssm_dt=(0.5 * rng.standard_normal(Hv)).astype(F32), ssm_a=-rng.uniform(0.01, 4, Hv).astype(F32),
         ssm_conv1d=(0.5 * rng.standard_normal((cd, K))).astype(F32),
         ssm_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32), ssm_out=np.eye(E, vd, dtype=F32))
+
+
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
+def test_gdn_core(rig, Hk, Hv, D):
+    """gdn_core over 7 tokens (the conv ring wraps) against gdn_chunk one token a step, with ssm_out = identity so
+    its output is y."""
+    rng = np.random.default_rng(D + Hv)
+    cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
+    E, K, cd, vd = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim
+    w = _gdn_weights(rng, cfg)
     st = GdnState.zeros(cfg)
     qkv, z, al, be = rig.buf("qkv", (cd,)), rig.buf("z", (vd,)), rig.buf("alpha", (Hv,)), rig.buf("beta", (Hv,))
     cw, dt, A, nw = (rig.buf("conv", (cd, K), value=w.ssm_conv1d), rig.buf("dt", (Hv,), value=w.ssm_dt),
@@ -359,14 +365,7 @@ def test_gdn_chunk(rig, Hk, Hv, D):
     rng = np.random.default_rng(D + Hv + 1)
     cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
     E, K, cd, vd, Tm = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim, 6
-    w = SimpleNamespace(
-        attn_qkv=(rng.standard_normal((cd, E)) / np.sqrt(E)).astype(F32),
-        attn_gate=(rng.standard_normal((vd, E)) / np.sqrt(E)).astype(F32),
-        ssm_beta=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
-        ssm_alpha=(rng.standard_normal((Hv, E)) / np.sqrt(E)).astype(F32),
-        ssm_dt=(0.5 * rng.standard_normal(Hv)).astype(F32), ssm_a=-rng.uniform(0.01, 4, Hv).astype(F32),
-        ssm_conv1d=(0.5 * rng.standard_normal((cd, K))).astype(F32),
-        ssm_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32), ssm_out=np.eye(E, vd, dtype=F32))
+    w = _gdn_weights(rng, cfg)
     st = GdnState.zeros(cfg)
     qkv, z, al, be = (rig.buf("qkv", (Tm, cd)), rig.buf("z", (Tm, vd)), rig.buf("alpha", (Tm, Hv)),
                       rig.buf("beta", (Tm, Hv)))
