@@ -102,6 +102,21 @@ def _layers(be, model, cache, rows: int | None = None) -> None:
     be.launch_head()
 
 
+def _round_robin_cache(be, model):
+    """A host cache policy for run_protocol / run_steps: after each route, up to 2 of the layer's missing experts
+    into the next slots round robin. Returns it and [hits, routed] counted over its calls."""
+    W, n_slots, nxt, hits = model.weights, be.expert_slots(), [0], [0, 0]
+
+    def cache(il, ids):
+        mask = be.resident(il, ids)
+        hits[0] += int(mask.sum())
+        hits[1] += len(ids)
+        for e in [int(e) for e, m in zip(ids, mask) if not m][:2]:
+            be.load_expert(il, e, nxt[0], *(m.raw for m in W.layers[il].expert(e)))
+            nxt[0] = (nxt[0] + 1) % n_slots
+    return cache, hits
+
+
 def _check(name, out, ref):
     err = rel_err(out, ref)
     print(f"{name}: max rel err {err.max():.2e} at position {err.argmax()} of {len(err)}")
@@ -140,19 +155,9 @@ def test_partial_cache(case):
     budget = probe.A.total + 6 * probe.slot_bytes + (1 << 20)
     probe.close()
     be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, log=print)
-    W = model.weights
     n_slots = be.expert_slots()
     assert 0 < n_slots < model.cfg.n_layer * model.cfg.n_expert
-    nxt = [0]
-    hits = [0, 0]
-
-    def cache(il, ids):
-        mask = be.resident(il, ids)
-        hits[0] += int(mask.sum())
-        hits[1] += len(ids)
-        for e in [int(e) for e, m in zip(ids, mask) if not m][:2]:
-            be.load_expert(il, e, nxt[0], *(m.raw for m in W.layers[il].expert(e)))
-            nxt[0] = (nxt[0] + 1) % n_slots
+    cache, hits = _round_robin_cache(be, model)
     try:
         _check(f"{spec.name} cache({n_slots} slots)", run_protocol(be, model, tokens, cache=cache), ref)
         print(f"cache hits {hits[0]} of {hits[1]} routed experts")
@@ -362,15 +367,8 @@ def test_batched_host_cache(case):
     budget = probe.A.total + 6 * probe.slot_bytes + (1 << 20)
     probe.close()
     be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=32, log=print)
-    W, n_slots, nxt, hits = model.weights, be.expert_slots(), [0], [0, 0]
-
-    def cache(il, ids):
-        mask = be.resident(il, ids)
-        hits[0] += int(mask.sum())
-        hits[1] += len(ids)
-        for e in [int(e) for e, m in zip(ids, mask) if not m][:2]:
-            be.load_expert(il, e, nxt[0], *(m.raw for m in W.layers[il].expert(e)))
-            nxt[0] = (nxt[0] + 1) % n_slots
+    n_slots = be.expert_slots()
+    cache, hits = _round_robin_cache(be, model)
     try:
         out = run_steps(be, model, tokens, chunk_sizes(len(tokens), 3, big=32), cache=cache)
     finally:
