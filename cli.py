@@ -52,7 +52,7 @@ def _host(a):
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host,
                       ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch,
-                      stream_experts=a.stream_experts, **ctx)
+                      stream_experts=a.stream_experts, map_experts=a.map_experts, **ctx)
 
 
 def _log(line: str) -> None:
@@ -281,6 +281,12 @@ def _engine_options(g) -> None:
                         "the misses between the CPU pool and uploads; auto: by how many routes the chunk's rows give "
                         "each expert, then by each mode's measured time per row (the trace says which each step "
                         "used)")
+    g.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
+                   help="experts in host memory, a decode row, every expert held in RAM (--host-budget-gib large "
+                        "enough; they are read as routed, or all first by the benches' preload): run the token as one "
+                        "graph whose kernels read the VRAM cache's experts in place and the misses from pinned host "
+                        "memory over PCIe (misses are promoted into the cache while the next token runs), instead of "
+                        "a host round trip per layer; auto: by each mode's measured time per token")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
     g.add_argument("--step-tokens", type=int, default=512,

@@ -36,6 +36,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt", default="The lighthouse stood at the end of a long stone pier")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU expert pool threads (default: one per core)")
     p.add_argument("--preload", action="store_true", help="read every expert into host memory first")
+    p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
+                   help="HostConfig.map_experts: decode rows as one graph reading VRAM misses from host memory")
     p.add_argument("--trace", help="write the JSON-lines trace here (default: a temporary file)")
     a = p.parse_args(argv)
     if a.tokens < 2:
@@ -54,7 +56,7 @@ async def preload(e: Engine) -> None:
 async def run(a: argparse.Namespace, trace: str) -> None:
     host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * GIB),
                       host_budget_bytes=None if a.host_budget_gib is None else int(a.host_budget_gib * GIB),
-                      cpu_threads=a.cpu_threads)
+                      cpu_threads=a.cpu_threads, map_experts=a.map_experts)
     t0 = time.perf_counter()
     async with await Engine.open(a.model, backend=a.backend, host=host, trace=trace) as e:
         s, cfg = e.scheduler, e.cfg
@@ -85,7 +87,9 @@ async def run(a: argparse.Namespace, trace: str) -> None:
     d = next((p for p in phases if p.phase == "decode"), None)
     if d is not None:             # one request: a decode step is one token
         print(f"host overhead: {d.host_ms:.3f} ms/token ({d.host_ms / d.ms['total']:.1%} of the wall); experts "
-              f"{d.expert_bytes / 1e6:.1f} MB/token at {d.expert_bytes / d.ms['total'] / 1e6:.2f} GB/s")
+              f"{d.expert_bytes / 1e6:.1f} MB/token at {d.expert_bytes / d.ms['total'] / 1e6:.2f} GB/s"
+              + (f", read in place from host memory {d.mapped_bytes / d.steps / 1e6:.1f} MB/token"
+                 if d.mapped_steps else ""))
     print(f"trace: {trace}")
 
 

@@ -450,6 +450,50 @@ def test_scheduler_streamed_prefill(case):
     assert sum(x[1] for x in times[0]) > 0
 
 
+def test_scheduler_mapped_decode(case):
+    """Experts on the host, all held in pinned memory, a few cache slots: every row a mapped token (one graph whose
+    expert kernels read cache slots or, for misses, the blobs in host memory over PCIe; misses promoted while the
+    next token runs). Every position against transformers, and against the per-layer split within 1e-5; tokens
+    read experts both from slots and from host memory."""
+    import asyncio
+
+    from strata.host.scheduler import HostConfig, Scheduler
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for mapped tokens")
+    cfg = model.cfg
+    probe = CudaBackend(model, experts="host", max_ctx=128, log=print)
+    budget = probe.A.total + 3 * cfg.n_expert * probe.slot_bytes // 2 + (2 << 20)
+    probe.close()
+
+    def run(mode: str):
+        be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, log=print)
+        assert be.can_map and 0 < be.expert_slots() < cfg.n_layer * cfg.n_expert
+        seen = []
+        real = be.token_routes
+        be.token_routes = lambda: seen.append(real()) or seen[-1]
+
+        async def go():
+            sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, map_experts=mode))
+            try:
+                for il in range(cfg.n_layer):
+                    for e in range(cfg.n_expert):
+                        await asyncio.wrap_future(sched.store.fetch(il, e))
+                return await sched.score(tokens)
+            finally:
+                await sched.aclose()
+        out = asyncio.run(go())
+        return np.asarray(out), seen, be.mapped
+    mapped, seen, was_mapped = run("always")
+    split, seen_split, _ = run("never")
+    _check(f"{spec.name} mapped decode", mapped, ref)
+    assert was_mapped and len(seen) == len(tokens) and not seen_split
+    assert rel_err(mapped, ref).max() <= 1e-4
+    assert rel_err(mapped, split).max() <= 1e-5
+    res = np.stack([r for _, r in seen])
+    assert res.any() and not res.all()
+
+
 def test_prefix_reuse_over_cuda(case):
     """Prefix reuse on the GPU (snapshot / restore of the device state): a prompt, then the same prompt and 7 more
     tokens resumed from its snapshot; the resumed logits against a run with no snapshots (the chunking differs

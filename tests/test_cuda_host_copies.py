@@ -116,7 +116,7 @@ def test_cache_bookkeeping_is_one_map(monkeypatch):
     be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
     be.file_types *= n_layer
     be._as_is *= n_layer
-    be.experts, be.n_slots, be._failed, be._loaded = "host", n_slots, None, []
+    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._dirty = "host", n_slots, None, [], [], set()
     be._slot_of, be._owner = {}, [None] * n_slots
     be._slots = np.full((n_layer, n_exp), -1, np.int32)
     rng = np.random.default_rng(1)
@@ -135,3 +135,73 @@ def test_cache_bookkeeping_is_one_map(monkeypatch):
         assert np.array_equal(got, want)
         assert {k: s for s, k in held.items()} == be._slot_of
     assert len(copies) == 3 * len(be._loaded)
+
+
+class FakeEvent:
+    def __init__(self):
+        self.done, self.recorded = False, 0
+
+    def record(self, stream):
+        self.recorded += 1
+        self.done = False
+
+    def query(self, what):
+        return self.done
+
+    def synchronize(self, what):
+        self.done = True
+
+
+def test_mapped_table_follows_the_loads(monkeypatch):
+    """A mapped token's address table (_sync_ptab): a loaded slot is read from host memory until its copies' event
+    is done, then from VRAM; an evicted expert goes back to its host address; only the rows of the layers that
+    changed are copied, on the main stream; a step that is not a mapped token waits for the pending loads."""
+    qt, E, Fn = QType.Q8_0, 64, 32
+    be, copies = backend(qt, E, Fn, monkeypatch)
+    n_layer, n_exp, n_slots, k = 4, 8, 3, 2
+    be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
+    be.file_types *= n_layer
+    be._as_is *= n_layer
+    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._dirty = "host", n_slots, None, [], [], set()
+    be._slot_of, be._owner = {}, [None] * n_slots
+    be._slots = np.full((n_layer, n_exp), -1, np.int32)
+    be.stream = SimpleNamespace(waits=[], wait=lambda ev: be.stream.waits.append(ev))
+    be.ev_loads = [FakeEvent() for _ in range(cb.LOAD_EVENTS)]
+    be.loads_turn, be._inflight = 0, [None] * cb.LOAD_EVENTS
+    be._pend_slot, be._pend_turns = np.full(n_slots, -1, np.int32), set()
+    be._eff = np.zeros((n_layer, n_exp), bool)
+    be.ptab = np.zeros((n_layer, n_exp, 3), np.uint64)
+    be.h_ptab, be.b_ptab = SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 30)
+    be.ev_ptab, be._ptab_sent = FakeEvent(), False
+    be._host_addr = (np.arange(n_layer * n_exp * 3, dtype=np.uint64).reshape(n_layer, n_exp, 3) + 1) << np.uint64(8)
+    be._dirty = set(range(n_layer))
+    at = np.array([0, be.slot_parts[0], be.slot_parts[0] + be.slot_parts[1]], np.uint64)
+    dev = lambda s: np.uint64(be.slot_buf.ptr) + np.uint64(s * be.slot_bytes) + at
+    rb = n_exp * 3 * 8
+
+    be._sync_ptab()                                     # nothing loaded: every entry is the host's
+    assert np.array_equal(be.ptab, be._host_addr) and copies[-1][:3] == (1 << 30, 1 << 20, n_layer * rb)
+    be.load_expert(2, 5, 1, *blob(be, qt, E, Fn, True, seed=1))
+    copies.clear()
+    be._sync_ptab()                                     # its copy is in flight: still read from host memory
+    assert np.array_equal(be.ptab[2, 5], be._host_addr[2, 5]) and be._pend_turns == {0}
+    assert [c[:3] for c in copies] == [((1 << 30) + 2 * rb, (1 << 20) + 2 * rb, rb)]
+    copies.clear()
+    be._sync_ptab()
+    assert not copies                                   # nothing changed: no copy
+    be.ev_loads[0].done = True
+    be._sync_ptab()                                     # done: layer 2's row now points at slot 1
+    assert np.array_equal(be.ptab[2, 5], dev(1)) and be._eff[2, 5] and not be._pend_turns
+    be.load_expert(3, 0, 1, *blob(be, qt, E, Fn, True, seed=2))     # slot 1 goes to (3, 0): (2, 5) evicted
+    copies.clear()
+    be._sync_ptab()
+    assert np.array_equal(be.ptab[2, 5], be._host_addr[2, 5]) and np.array_equal(be.ptab[3, 0], be._host_addr[3, 0])
+    assert [c[:3] for c in copies] == [((1 << 30) + 2 * rb, (1 << 20) + 2 * rb, 2 * rb)]    # rows 2..3
+    be._join_pending()                                  # a per-layer step: the main stream waits for the copy
+    assert be.stream.waits == [be.ev_loads[1]] and not be._pend_turns
+    be._sync_ptab()
+    assert np.array_equal(be.ptab[3, 0], dev(1))
+    be._tok_eff = be._eff.copy()
+    be.ids_all = np.array([[0, 1], [2, 3], [5, 4], [0, 7]], np.int32)
+    ids, res = be.token_routes()
+    assert res.tolist() == [[False, False], [False, False], [False, False], [True, False]] and k == ids.shape[1]

@@ -360,6 +360,7 @@ class CudaBackend:
                            for il in range(cfg.n_layer)]
         if self.experts == "vram":
             self.n_slots = self.n_stream = 0
+            self.can_map = False
             for il, lw in enumerate(W.layers):
                 p = f"blk.{il}."
                 down = self._mat(p + "ffn_down_exps", lw.ffn_down_exps)
@@ -409,6 +410,14 @@ class CudaBackend:
         self._slot_of: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * self.n_slots
         self._slots = np.full((cfg.n_layer, cfg.n_expert), -1, I32)    # the same map, for vectorized lookups
+        # a mapped token (map_experts): one graph whose one-row expert kernels read each routed expert where the
+        # table b_ptab says, a cache slot or its blob in pinned host memory; the layers' routes go to b_ids_all
+        self.can_map = all(x is not None for x in self._as_is)
+        if self.can_map:
+            self.b_ptab = self.A.reserve("expert_ptab", (cfg.n_layer, cfg.n_expert, 3), np.uint64)
+            self.b_ids_all = self.A.reserve("ids_all", (cfg.n_layer, cfg.n_expert_used), I32)
+            self.expert_job_m = [self.A.reserve(f"blk.{il}.moe_job_mapped", (kmoe.MOE_JOB_DTYPE.itemsize,), U8)
+                                 for il in range(cfg.n_layer)]
 
     def _upload(self) -> None:
         up = Uploader(self.stream)
@@ -452,9 +461,13 @@ class CudaBackend:
             # blob is kept alive (its cell not reused) until the event after its copies has completed
             dev = self.dev
 
+            self._uva = True                    # every cell's device address is its host address (map_experts)
+
             def pinned_chunk(n: int):
                 dev.make_current()              # the expert store allocates on its I/O threads
-                h = drv.HostBuffer(n, what="expert blobs")
+                h = drv.HostBuffer(n, mapped=True, what="expert blobs")
+                if h.dptr != h.ptr:
+                    self._uva = False
                 return h.ptr, h
             self.cells = Cells(self.slot_bytes, pinned_chunk)
             self.ev_loads = [drv.Event() for _ in range(LOAD_EVENTS)]
@@ -471,6 +484,23 @@ class CudaBackend:
             self._stream_log: list[tuple] = []
             self._posted = -1
             self.h2d_bytes_per_s = self._measure_h2d()
+            # mapped tokens: the table's host mirror, the token's routes, loads whose copies may still run
+            self.mapped = False
+            self._host_addr: np.ndarray | None = None
+            self._map_refs: list = []
+            self._pend_slot = np.full(max(self.n_slots, 1), -1, np.int32)   # slot -> ev_loads turn of its copy
+            self._pend_turns: set[int] = set()
+            self._loaded_slots: list[int] = []
+            self._dirty: set[int] = set()
+            self._eff = np.zeros((cfg.n_layer, cfg.n_expert), bool)         # the table's VRAM entries
+            self._tok_eff = self._eff                                       # ... as the last mapped token read it
+            if self.can_map:
+                self.h_ptab = drv.HostBuffer(self.b_ptab.nbytes, what="expert address table")
+                self.ptab = self.h_ptab.array(np.uint64, self.b_ptab.shape)
+                self.h_ids_all = drv.HostBuffer(self.b_ids_all.nbytes, what="mapped token routes")
+                self.ids_all = self.h_ids_all.array(I32, self.b_ids_all.shape)
+                self.ev_ptab = drv.Event()
+                self._ptab_sent = False
 
     def _measure_h2d(self) -> float:
         """Bytes a second of a copy from pinned memory into the expert slots (the best of three 64 MiB copies;
@@ -506,7 +536,7 @@ class CudaBackend:
         first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
         begin = [_Later(kgemv.embed_launch, K.fn("gemv", "embed_rms"), "embed", self.w_embd, self.b_step, self.b_R,
                         first_norm, self.b_xn, hc, eps)]
-        pre, pre_tok, post = [], [], []
+        pre, pre_tok, post, post_m = [], [], [], []
         for il in range(cfg.n_layer):
             d, s, p = self.L[il], self.S[il], f"blk.{il}."
             st: list[tuple[str, list]] = []
@@ -565,30 +595,37 @@ class CudaBackend:
                                          Job(d["shexp_gate"], self.b_x_ffn, self.b_sg),
                                          Job(d["ffn_gate_shexp"], self.b_x_ffn, self.b_h_sh, w2=d["ffn_up_shexp"])])
 
-            def route(db, il=il, p=p):
+            def route(db, ids, il=il, p=p):
                 return _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route", cfg, il, self.b_logits_r,
-                              self.b_x_ffn, self.b_ids, self.b_wts, self.b_step, db, self.b_ticket)
+                              self.b_x_ffn, ids, self.b_wts, self.b_step, db, self.b_ticket)
             shared = ("shared", [gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
-            pre.append(st + [("route", [router, route(self.db.ptrs)]), shared])
-            pre_tok.append(st + [("route", [router, route(None)]), shared])
-            slots = self.b_ids if self.experts == "vram" else self.b_slots
+            pre.append(st + [("route", [router, route(self.db.ptrs, self.b_ids)]), shared])
             w_next = self.L[il + 1]["hc_attn_norm"] if il + 1 < cfg.n_layer else self.w_out_norm
-            post.append([("experts", [_Later(kmoe.expert_launches, K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"),
-                                             p + "experts", cfg, self.expert_job[il], self.banks[il], slots,
-                                             self.b_x_ffn, self.b_h_exp, self.b_gpu_parts)]),
-                         ("combine", [_Later(kmoe.combine_launch, K.fn("moe", "combine_write_rms"), p + "combine",
-                                             cfg, self.b_wts, slots, self.b_gpu_parts, self.b_host_parts,
-                                             self.b_shared, self.b_sg, self.b_inj_f, self.b_R, self.b_comb, w_next,
-                                             self.b_xn)])])
+
+            def post_of(job, slots, ptab=None, il=il, p=p, w_next=w_next):
+                return [("experts", [_Later(kmoe.expert_launches, K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"),
+                                            p + "experts", cfg, job, self.banks[il], slots, self.b_x_ffn,
+                                            self.b_h_exp, self.b_gpu_parts, ptab)]),
+                        ("combine", [_Later(kmoe.combine_launch, K.fn("moe", "combine_write_rms"), p + "combine",
+                                            cfg, self.b_wts, slots, self.b_gpu_parts, self.b_host_parts,
+                                            self.b_shared, self.b_sg, self.b_inj_f, self.b_R, self.b_comb, w_next,
+                                            self.b_xn)])]
+            post.append(post_of(self.expert_job[il], self.b_ids if self.experts == "vram" else self.b_slots))
+            if self.experts == "vram":
+                pre_tok.append(st + [("route", [router, route(None, self.b_ids)]), shared])
+            elif self.can_map:          # the mapped token: routes kept per layer, experts found through the table
+                ids = self.b_ids_all.row(il)
+                pre_tok.append(st + [("route", [router, route(None, ids)]), shared])
+                post_m.append(post_of(self.expert_job_m[il], ids, self.b_ptab.row(il)))
         head = [gemv("output_down", [Job(self.w_out_down, self.b_xn, self.b_lo)]),
                 _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), "output_up_mix", self.w_out_up, self.b_lo, self.b_xn,
                        self.b_mixed, hc, E),
                 gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
-        self._plans = (begin, pre, pre_tok, post, head)
+        self._plans = (begin, pre, pre_tok, post, post_m, head)
 
     def _build_launches(self) -> None:
         """After the commit: the launches (their addresses now exist) and the job tables' contents."""
-        begin, pre, pre_tok, post, head = self._plans
+        begin, pre, pre_tok, post, post_m, head = self._plans
         del self._plans
 
         def build(stages):
@@ -603,8 +640,9 @@ class CudaBackend:
 
         self.begin_stages = build([("embed", begin)])
         self.pre = [build(x) for x in pre]
-        self.pre_tok = [build(x) for x in pre_tok] if self.experts == "vram" else None
+        self.pre_tok = [build(x) for x in pre_tok] if pre_tok else None
         self.post = [build(x) for x in post]
+        self.post_m = [build(x) for x in post_m] if post_m else None
         self.head_stages = build([("head", head)])
         if self.batch is not None:
             self.batch.build()
@@ -631,13 +669,18 @@ class CudaBackend:
             self._g[("pre", il)] = Graph(f"pre[{il}]", self.stream, lambda il=il: self._enq(self.pre[il]))
             self._g[("post", il)] = Graph(f"post[{il}]", self.stream, lambda il=il: self._enq(self.post[il]))
         self._g["head"] = Graph("head", self.stream, self._enq_head)
-        if self.experts == "vram":
+        if self.pre_tok is not None:
+            post = self.post if self.experts == "vram" else self.post_m
+
             def token():
                 self._enq_begin()
                 for il in range(n):
                     self._enq(self.pre_tok[il])
-                    self._enq(self.post[il])
+                    self._enq(post[il])
                 self._enq_head()
+                if self.experts == "host":      # the layers' routes, for the host's cache policy
+                    drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
+                                          self.stream, "mapped token routes")
             self._g["token"] = Graph("token", self.stream, token)
         if self.batch is not None:
             self.batch.capture()
@@ -734,6 +777,8 @@ class CudaBackend:
     def begin(self, step: Step) -> None:
         seq = self._step_seq(step, "begin")
         self._check_seq(seq, "begin", "idle")
+        if self.experts == "host" and self._pend_turns:
+            self._join_pending()
         if step.T > 1:
             self._stage_rows(seq, step, "begin")
             self.batch.run("begin", self.batch.bucket(step.T))
@@ -890,6 +935,7 @@ class CudaBackend:
         parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
         self._copy_into(slot, parts, (layer, expert, slot), after_launches=True)
         self._loaded.append(parts)                      # kept (a blob's cell) until the copies are done
+        self._loaded_slots.append(slot)
         self._own(slot, layer, expert)
 
     def _own(self, slot: int, layer: int, expert: int) -> None:
@@ -898,6 +944,8 @@ class CudaBackend:
         if old is not None:
             del self._slot_of[old]
             self._slots[old] = -1
+            self._dirty.add(old[0])
+        self._dirty.add(layer)
         self._owner[slot] = (layer, expert)
         self._slot_of[(layer, expert)] = slot
         self._slots[layer, expert] = slot
@@ -920,13 +968,107 @@ class CudaBackend:
         """The main stream waits for every load so far; their sources stay alive until those copies are done."""
         if not self._loaded:
             return
+        self.stream.wait(self.ev_loads[self._loads_event()])
+
+    def _loads_event(self) -> int:
+        """An event on the side stream after every load so far (its turn in ev_loads); their sources stay alive
+        until it has completed."""
         i = self.loads_turn
         if self._inflight[i] is not None:               # LOAD_EVENTS layers ago: long done in practice
             self.ev_loads[i].synchronize("expert uploads")
+            self._resolve(i)
         self.ev_loads[i].record(self.side)
-        self.stream.wait(self.ev_loads[i])
-        self._inflight[i], self._loaded = self._loaded, []
+        self._inflight[i], self._loaded, self._loaded_slots = self._loaded, [], []
         self.loads_turn = (i + 1) % LOAD_EVENTS
+        return i
+
+    # ---- mapped tokens: the experts a token misses in VRAM are read by its kernels from pinned host memory ------
+    @_guarded
+    def map_experts(self, blobs) -> bool:
+        """Every expert's blob in pinned host memory (blobs[layer][expert]: .gate, .up, .down views in the kernels'
+        format, in this backend's pinned cells, kept alive while mapped): from now on a one-row step may run as
+        one graph (launch_whole) whose expert kernels read each routed expert from its cache slot, or from its
+        blob over PCIe. False (nothing changes) where it cannot: experts='vram', a layer whose types the upload
+        converts, or a blob outside the pinned cells."""
+        cfg = self.cfg
+        if self.experts != "host" or not self.can_map or not self.graphs or not self._uva:
+            return False
+        if len(blobs) != cfg.n_layer or any(len(b) != cfg.n_expert for b in blobs):
+            raise BackendError(f"map_experts: blobs for {len(blobs)} layers; the model has {cfg.n_layer} layers of "
+                               f"{cfg.n_expert} experts")
+        addr = np.zeros((cfg.n_layer, cfg.n_expert, 3), np.uint64)
+        for il, row in enumerate(blobs):
+            shapes = self._as_is[il]
+            for e, b in enumerate(row):
+                parts = (b.gate, b.up, b.down)
+                if tuple(p.shape for p in parts) != shapes or any(p.dtype != U8 or not p.flags.c_contiguous
+                                                                   for p in parts):
+                    return False
+                a = [p.__array_interface__["data"][0] for p in parts]
+                if not all(self.cells.owns_span(x, p.nbytes) for x, p in zip(a, parts)):
+                    return False
+                addr[il, e] = a
+        self._host_addr, self._map_refs = addr, [list(r) for r in blobs]
+        self._dirty = set(range(cfg.n_layer))
+        self.mapped = True
+        return True
+
+    def _resolve(self, turn: int) -> None:
+        """The loads of ev_loads[turn] are done: their slots serve mapped tokens from now on."""
+        self._inflight[turn] = None
+        if turn in self._pend_turns:
+            self._pend_turns.discard(turn)
+            done = np.flatnonzero(self._pend_slot == turn)
+            self._pend_slot[done] = -1
+            self._dirty.update(o[0] for o in (self._owner[i] for i in done.tolist()) if o is not None)
+
+    def _join_pending(self) -> None:
+        """A step that is not a mapped token reads every slot the cache reports resident: the main stream waits
+        for the loads still pending from mapped tokens."""
+        for turn in list(self._pend_turns):
+            self.stream.wait(self.ev_loads[turn])
+            self._pend_turns.discard(turn)
+            done = np.flatnonzero(self._pend_slot == turn)
+            self._pend_slot[done] = -1
+            self._dirty.update(o[0] for o in (self._owner[i] for i in done.tolist()) if o is not None)
+
+    def _sync_ptab(self) -> None:
+        """Before a mapped token: the loads since the last launch get an event (their slots pending until it
+        completes: a pending slot is read from host memory), finished loads are resolved, and the rows of the
+        layers whose residency changed go to the device table, on the main stream ahead of the token."""
+        if self._loaded:
+            slots = list(self._loaded_slots)
+            turn = self._loads_event()
+            self._pend_slot[slots] = turn
+            self._pend_turns.add(turn)
+        for turn in list(self._pend_turns):
+            if self.ev_loads[turn].query("expert uploads"):
+                self._resolve(turn)
+        if not self._dirty:
+            return
+        lo, hi = min(self._dirty), max(self._dirty) + 1
+        self._dirty = set()
+        s = self._slots[lo:hi]
+        res = s >= 0
+        if self._pend_turns:
+            res &= self._pend_slot[np.maximum(s, 0)] < 0
+        self._eff[lo:hi] = res
+        at = np.array([0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1]], np.uint64)
+        dev = (np.uint64(self.slot_buf.ptr) + np.maximum(s, 0).astype(np.uint64) * np.uint64(self.slot_bytes))
+        if self._ptab_sent:
+            self.ev_ptab.synchronize("expert address table")      # the last copy of the staging is done
+        self.ptab[lo:hi] = np.where(res[..., None], dev[..., None] + at, self._host_addr[lo:hi])
+        rb = self.ptab[0].nbytes
+        drv.memcpy_htod_async(self.b_ptab.ptr + rb * lo, self.h_ptab.ptr + rb * lo, rb * (hi - lo), self.stream,
+                              "expert address table")
+        self.ev_ptab.record(self.stream)
+        self._ptab_sent = True
+
+    def token_routes(self) -> tuple[np.ndarray, np.ndarray]:
+        """After a mapped token's logits: each layer's routed experts (n_layer, k) and which of them the token read
+        from VRAM (the rest came from host memory over PCIe)."""
+        ids = self.ids_all.copy()
+        return ids, self._tok_eff[np.arange(self.cfg.n_layer)[:, None], ids]
 
     def _device_parts(self, layer: int, expert: int, gate, up, down, call: str) -> tuple:
         """The three slices in the kernels' format: as given where the layer's types need no conversion and
@@ -1167,8 +1309,10 @@ class CudaBackend:
         """The whole step as one graph (experts='vram' only, no doorbell wait), e its PLE rows (T, ple_dim);
         poll_logits gives its logits. A step of several rows runs its bucket's batched graph, then the head."""
         seq = self._step_seq(step, "launch_whole")
-        if self.experts != "vram" or not self.graphs or seq.dump is not None:
-            raise BackendError("launch_whole: the whole-step graph needs experts='vram', graphs=True and no dump")
+        mapped = self.experts == "host" and self.mapped and step.T == 1
+        if not (self.experts == "vram" or mapped) or not self.graphs or seq.dump is not None:
+            raise BackendError("launch_whole: the whole-step graph needs experts='vram' (or a one-row step with the "
+                               "experts mapped: map_experts), graphs=True and no dump")
         self._check_seq(seq, "launch_whole", "idle")
         if step.T > 1:                  # the bucket's whole-step graph, then the head on the logit rows
             self._stage_rows(seq, step, "launch_whole")
@@ -1187,7 +1331,12 @@ class CudaBackend:
                           "launch_whole")
         if self.cfg.ple_layers and not seq.ple_ready:
             raise BackendError("launch_whole: the model's PLE layer needs the row's PLE vector")
+        if mapped:
+            self._sync_ptab()
+            self._tok_eff = self._eff.copy()
         self._g["token"].launch(self.stream)
+        if mapped:
+            self._mark_needed = True        # its kernels read cache slots a later load may overwrite
         self.ev_head.record(self.stream)
         seq.phase, seq.layer = "head", self.cfg.n_layer - 1
 
@@ -1318,6 +1467,10 @@ class CudaBackend:
             if self.experts == "host":
                 for b in self.h_load:
                     b.free()
+                if self.can_map:
+                    self.h_ptab.free()
+                    self.h_ids_all.free()
+                self._map_refs = []
                 self._inflight = []
                 self.cells.close(lambda h: h.free())
             self.stream.destroy()

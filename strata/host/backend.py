@@ -204,6 +204,12 @@ class CpuBackend:
     layer parity that post computes with the CPU pool's compiled batch, the double buffer's protocol checked. The
     engine leaves it off on the CPU: the pool computes the same experts without the copies, and a chunk whose rows
     reach every expert several times would stream without a trial of the split (Scheduler._streams).
+    cache_slots > 0 (experts="host"): the CPU twin of CudaBackend's VRAM expert cache: load_expert copies a blob
+    into a slot (evicting the slot's expert), resident() reports the slots, post computes the resident routed
+    experts from their slot copies. With map_experts (every blob held by the host) a one-row step may run as a
+    mapped token (launch_whole): each routed expert read from its slot, or from its blob where it has none, and a
+    slot loaded since the previous launch still counts as the host's (its copy is in flight on the GPU) until
+    the launch after it; token_routes() says which each token read from where.
     experts="mapped": every expert is resident: post computes
     the layer's routed experts itself from the mapped file, in one compiled batch (the CPU twin of
     CudaBackend(experts="vram")), so a layer's experts cost no host work and no hand-off to the pool.
@@ -213,10 +219,13 @@ class CpuBackend:
     max_seqs = None
     max_step_tokens = None
 
-    def __init__(self, model: Model, experts: str = "host", stream: bool = False):
+    def __init__(self, model: Model, experts: str = "host", stream: bool = False, cache_slots: int = 0):
         if experts not in ("host", "mapped"):
             raise ValueError(f"CpuBackend experts={experts!r}: choose 'host' or 'mapped'")
+        if cache_slots and experts != "host":
+            raise ValueError("CpuBackend cache_slots: the cache twin is for experts='host'")
         self.experts = experts
+        self.graphs = True                        # launch_whole: the CPU twin of a captured mapped token
         self.cfg = model.cfg
         self.ref = RefModel(model.weights)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-device")
@@ -238,6 +247,16 @@ class CpuBackend:
         self.posted = -1                          # the layer whose post was launched last
         self._stream: dict[int, list] = {}        # parity -> [layer, {expert: (gate, up, down) copies}, open]
         self._stream_log: list[tuple] = []
+        # the cache twin: slot -> copy, the (layer, expert) -> slot map, the launch count of each slot's load
+        self.n_slots = int(cache_slots)
+        self._slot_copy: list[_Copy | None] = [None] * self.n_slots
+        self._owner: list[tuple[int, int] | None] = [None] * self.n_slots
+        self._slots = np.full((self.cfg.n_layer, self.cfg.n_expert), -1, np.int32)
+        self._loaded_at = np.full(max(self.n_slots, 1), -1, np.int64)
+        self.launches = 0                         # mapped tokens launched
+        self.mapped = False
+        self._blobs: list | None = None
+        self._routes: tuple[np.ndarray, np.ndarray] | None = None
 
     def new_seq(self, dump: StageDump | None = None) -> _CpuSeq:
         self.live += 1
@@ -336,14 +355,84 @@ class CpuBackend:
         return Route(p.x, p.ids, p.weights)
 
     def resident(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        if self.n_slots:
+            return self._slots[layer, np.asarray(experts, np.int64)] >= 0
         return np.full(len(experts), self.experts == "mapped")
 
     def expert_slots(self) -> int:
-        return 0
+        return self.n_slots
 
     def load_expert(self, layer: int, expert: int, slot: int, gate: np.ndarray, up: np.ndarray,
                     down: np.ndarray) -> None:
-        raise BackendError("the cpu backend has no expert cache")
+        if not self.n_slots:
+            raise BackendError("the cpu backend has no expert cache (cache_slots=0)")
+        if not 0 <= slot < self.n_slots:
+            raise BackendError(f"load_expert: slot {slot} of {self.n_slots}")
+        if not (0 <= layer < self.cfg.n_layer and 0 <= expert < self.cfg.n_expert):
+            raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
+        copy = _Copy(gate, up, down)
+        old = self._owner[slot]
+        if old is not None:
+            self._slots[old] = -1
+        self._owner[slot], self._slot_copy[slot] = (layer, expert), copy
+        self._slots[layer, expert] = slot
+        self._loaded_at[slot] = self.launches
+
+    def map_experts(self, blobs) -> bool:
+        """Every expert's blob (blobs[layer][expert], held by the host while mapped): mapped tokens from now on.
+        Only the cache twin maps (False otherwise): without a cache a mapped token is experts="mapped"'s work."""
+        cfg = self.cfg
+        if self.experts != "host" or not self.n_slots:
+            return False
+        if len(blobs) != cfg.n_layer or any(len(b) != cfg.n_expert for b in blobs):
+            raise BackendError(f"map_experts: blobs for {len(blobs)} layers; the model has {cfg.n_layer} layers of "
+                               f"{cfg.n_expert} experts")
+        self._blobs = [list(b) for b in blobs]
+        self.mapped = True
+        return True
+
+    def launch_whole(self, step: Step, e: np.ndarray | None) -> None:
+        """A mapped token: every layer on the worker, each routed expert from its slot copy if its load came before
+        the previous launch (the GPU's copy is done by then), else from its mapped blob."""
+        if not self.mapped or step.T != 1:
+            raise BackendError("launch_whole: the cpu backend runs one-row mapped tokens only (map_experts first)")
+        self.begin(step)
+        if self.cfg.ple_layers:
+            if e is None:
+                raise BackendError("launch_whole: the model's PLE layer needs the row's PLE vector")
+            self.stage_ple(np.asarray(e, np.float32).reshape(1, -1))
+        s = self._slots
+        eff = (s >= 0) & (self._loaded_at[np.maximum(s, 0)] < self.launches)
+        self.launches += 1
+        self.layer = self.routed = self.cfg.n_layer - 1
+        self._routes = None
+        # the slots as this launch sees them: a load made while it runs goes to the GPU's side stream after it
+        self._run(self._token, self.ple_e, eff, s.copy(), list(self._slot_copy))
+
+    def _token(self, ple: np.ndarray | None, eff: np.ndarray, slots: np.ndarray, copies: list) -> np.ndarray:
+        cfg, k = self.cfg, self.cfg.n_expert_used
+        ids_all = np.empty((cfg.n_layer, k), np.int32)
+        for il in range(cfg.n_layer):
+            self._pre(il, ple if il in cfg.ple_layers else None)
+            ids = np.asarray(self.pre.ids[0], np.int64)
+            ids_all[il] = ids
+            src = [copies[slots[il, e]] if eff[il, e] else self._blobs[il][e] for e in ids.tolist()]
+            out = np.empty((k, cfg.n_embd), np.float32)
+            compute_experts(self.layout.layers[il], np.asarray(self.pre.x, np.float32), src,
+                            np.arange(k + 1, dtype=np.int64), np.zeros(k, np.int64), out, list(range(k)),
+                            self.exact, max_threads())
+            self._post(il, out[None])
+        self._routes = (ids_all, eff[np.arange(cfg.n_layer)[:, None], ids_all])
+        logits = self.ref.head(self.batch, self.R, self.step.logit_rows.tolist())
+        self.ref.finish(self.batch)
+        return logits
+
+    def token_routes(self) -> tuple[np.ndarray, np.ndarray]:
+        """After a mapped token's logits: each layer's routed experts (n_layer, k), and which came from a slot."""
+        if self._routes is None:
+            raise BackendError("token_routes: no mapped token has finished")
+        ids, res = self._routes
+        return ids.copy(), res.copy()
 
     def stream_slots(self) -> int:
         return self.cfg.n_expert if self.stream else 0
@@ -401,14 +490,17 @@ class CpuBackend:
             self._run(self._post_mapped, plan.layer)
         elif plan.resident.any():
             s = self._stream.get(plan.layer % 2)
-            if s is None or s[0] != plan.layer or s[2]:
-                raise BackendError(f"launch_post: the cpu backend holds no experts (experts='host') and layer "
-                                   f"{plan.layer} has no closed stream")
-            lost = [int(e) for e in plan.experts[plan.resident] if int(e) not in s[1]]
+            streamed = s[1] if s is not None and s[0] == plan.layer and not s[2] else {}
+            have = dict(streamed)
+            for e in plan.experts[plan.resident].tolist():
+                slot = self._slots[plan.layer, e] if self.n_slots else -1
+                if e not in have and slot >= 0:
+                    have[e] = self._slot_copy[slot]
+            lost = [int(e) for e in plan.experts[plan.resident] if int(e) not in have]
             if lost:
                 raise BackendError(f"launch_post: experts {lost} of layer {plan.layer} are marked resident but "
-                                   f"were not streamed")
-            self._run(self._post_streamed, plan, s[1])
+                                   f"are in no cache slot and were not streamed")
+            self._run(self._post_streamed, plan, have)
         else:
             self._run(self._post, plan.layer, plan.parts)
         self.posted = plan.layer

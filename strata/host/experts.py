@@ -162,6 +162,15 @@ class ExpertStore:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def complete(self, n_expert: int) -> list[list[ExpertBlob]] | None:
+        """The blobs by layer when the tier holds every expert of every layer (nothing is left to read, so nothing
+        is evicted from then on), else None."""
+        n_layer = len(self.layout.layers)
+        with self._lock:
+            if len(self._lru) != n_layer * n_expert:
+                return None
+            return [[self._lru[(il, e)] for e in range(n_expert)] for il in range(n_layer)]
+
     def mem_bytes(self, layer: int, expert: int) -> int:
         """Host memory a blob of this expert takes here: its aligned spans where O_DIRECT reads into place."""
         parts = [(s.offset(expert), s.nbytes) for s in self.layout.layers[layer]]

@@ -107,11 +107,19 @@ class HostConfig:
                                             # per row of each mode against splitting the misses between the CPU
                                             # pool and uploads); "always", "never". A prompt evicts nothing from
                                             # the cache (it fills free slots)
+    map_experts: str = "auto"               # a decode row under a VRAM budget with every expert in pinned host
+                                            # memory (the RAM tier holds them all): "auto" runs it as one graph
+                                            # whose expert kernels read the VRAM cache's experts in place and the
+                                            # rest from host memory over PCIe (no per-layer host round trip; the
+                                            # misses are promoted into the cache while the next token runs), or
+                                            # layer by layer (split) if that measures faster per token; "always",
+                                            # "never"
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
-        if self.stream_experts not in ("auto", "always", "never"):
-            raise ValueError(f"HostConfig.stream_experts = {self.stream_experts!r}: 'auto', 'always' or 'never'")
+        for name in ("stream_experts", "map_experts"):
+            if getattr(self, name) not in ("auto", "always", "never"):
+                raise ValueError(f"HostConfig.{name} = {getattr(self, name)!r}: 'auto', 'always' or 'never'")
         if self.prefetch not in ("previous", "router", "off"):
             raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
         if self.step_tokens < 1:
@@ -248,6 +256,10 @@ class Scheduler:
         self._whole_s: dict[int, float] = {}
         self.whole = (getattr(backend, "experts", None) == "vram" and getattr(backend, "graphs", False)
                       and hasattr(backend, "launch_whole"))
+        # mapped decode rows (HostConfig.map_experts): the backend maps the blobs once the RAM tier holds them all
+        self._can_map = host.map_experts != "never" and hasattr(backend, "map_experts")
+        self._mapped = False
+        self._map_routes: tuple[np.ndarray, np.ndarray] | None = None    # the last mapped token's, to promote
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
         self.ple = PleReader(model.file.path, model.file.tensor("per_layer_token_embd.weight"),
@@ -531,7 +543,12 @@ class Scheduler:
                 req.t_first = t0
         step = Step(tuple(Segment(req.seq, tuple(toks), req.pos, mode) for req, toks, mode in plan))
         reads = self._ple_reads(plan)
-        logits = await (self._forward_whole(step, reads, st) if self.whole else self._forward(step, reads, st))
+        if self.whole:
+            logits = await self._forward_whole(step, reads, st)
+        elif self._maps(step):
+            logits = await self._forward_mapped(step, reads, st)
+        else:
+            logits = await self._forward(step, reads, st)
         t_s = clock()
         at = 0                                   # next row of logits
         for req, toks, mode in plan:
@@ -689,7 +706,7 @@ class Scheduler:
         st.span("head_wait", -1, t1, clock())
         if stream:
             st.stream = be.stream_times()
-        if step.T > 1:                   # what the mode cost: wall seconds per row, per size class
+        if step.T > 1 or self._mapped:   # what the mode cost: wall seconds per row, per size class
             costs = self._mode_cost.setdefault(_size_class(step.T), {})
             new, old = (clock() - t_begin) / step.T, costs.get(st.mode)
             costs[st.mode] = new if old is None else old + MissCosts.ALPHA * (new - old)
@@ -758,15 +775,19 @@ class Scheduler:
         st.layer_experts(il, int(pairs.sum()), int(hit.sum()), 0, n, 0, nbytes, n_ram, n_ssd)
         return plan
 
-    async def _forward_whole(self, step: Step, reads, st: StepTrace) -> np.ndarray:
-        """Every expert resident in VRAM (CudaBackend experts="vram"): the step is one captured graph with no host
-        round trip inside it; the PLE rows are awaited first because the graph's begin copies them."""
+    async def _forward_whole(self, step: Step, reads, st: StepTrace, after_launch=None) -> np.ndarray:
+        """Every expert resident in VRAM (CudaBackend experts="vram"), or a mapped decode row: the step is one
+        captured graph with no host round trip inside it; the PLE rows are awaited first because the graph's
+        begin copies them. after_launch(): host work done while the graph runs."""
         be = self.backend
         e = await self._ple_vectors(step, reads, st) if reads is not None else None
         t0 = clock()
         be.launch_whole(step, e)
         t1 = clock()
         st.span("token_launch", -1, t0, t1)
+        if after_launch is not None:
+            after_launch()
+            t1 = clock()
         # the graph takes about as long as the last ones did: sleep through most of it (the loop's timers are
         # ~1 ms coarse), then poll; a backoff alone would overshoot a 9 ms graph by up to its last sleep
         est = self._whole_s.get(step.T, 0.0)
@@ -779,6 +800,79 @@ class Scheduler:
         st.span("token_wait", -1, t1, t2)
         self._whole_s[step.T] = (t2 - t1) if est == 0 else 0.8 * est + 0.2 * min(t2 - t1, 2 * est)
         return logits
+
+    # ---- mapped decode rows ----------------------------------------------------------------------------------------
+    def _maps(self, step: Step) -> bool:
+        """Run this one-row step as a mapped token: once the RAM tier holds every expert (then the backend maps
+        their blobs, once), by HostConfig.map_experts; "auto" by the measured wall per token of each mode (mapped
+        tried first, the split once, then the cheaper)."""
+        if step.T != 1 or not self._can_map:
+            return False
+        if not self._mapped:
+            blobs = self.store.complete(self.cfg.n_expert)
+            if blobs is None:
+                return False
+            self._mapped = bool(self.backend.map_experts(blobs))
+            self._can_map = self._mapped         # a backend that cannot map them is not asked again
+            if not self._mapped:
+                return False
+            self._blobs = blobs
+        if self.host.map_experts == "always":
+            return True
+        seen = self._mode_cost.get(1, {})
+        for m in ("mapped", "split"):
+            if m not in seen:
+                return m == "mapped"
+        return seen["mapped"] <= seen["split"]
+
+    async def _forward_mapped(self, step: Step, reads, st: StepTrace) -> np.ndarray:
+        """A decode row as one graph: each layer's routed experts are read by its kernels from the VRAM cache or,
+        the misses, from their blobs in pinned host memory. While it runs, the previous mapped token's misses are
+        promoted into the cache (their copies overlap this token; the backend serves a slot once its copy is done).
+        The trace counts the misses as RAM-tier experts read over PCIe."""
+        be, cfg = self.backend, self.cfg
+        st.mode = "mapped"
+        t_begin = clock()
+
+        def promote():
+            if self._map_routes is not None:
+                routes, self._map_routes = self._map_routes, None
+                t0 = clock()
+                self._promote(*routes)
+                st.span("promote", -1, t0, clock())
+        logits = await self._forward_whole(step, reads, st, promote)
+        ids, res = be.token_routes()
+        self._map_routes = (ids, res)
+        ones = np.ones(ids.shape[1], np.int64)
+        for il in range(cfg.n_layer):
+            hit = res[il]
+            self.cache.record(il, ids[il], hit, ones)
+            n_hit = int(hit.sum())
+            miss = ids.shape[1] - n_hit
+            st.layer_experts(il, ids.shape[1], n_hit, 0, 0, 0, 0, miss, 0)
+            st.mapped_read(miss, miss * self.layout.blob_bytes(il))
+        costs = self._mode_cost.setdefault(1, {})
+        new, old = clock() - t_begin, costs.get("mapped")
+        costs["mapped"] = new if old is None else old + MissCosts.ALPHA * (new - old)
+        return logits
+
+    def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
+        """A mapped token's misses into the VRAM cache (LRU), each copied from its pinned blob on the side stream;
+        the layer's other routed experts are not evicted for them."""
+        be, cache = self.backend, self.cache
+        for il in range(ids.shape[0]):
+            miss = ids[il][~res[il]]
+            if not miss.size:
+                continue
+            lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
+            keep = set(ids[il].tolist())
+            nbytes = self.layout.blob_bytes(il)
+            for e in lack.tolist():
+                slot = cache.place(il, e, nbytes, keep)
+                if slot is None:
+                    break
+                blob = self._blobs[il][e]
+                be.load_expert(il, e, slot, blob.gate, blob.up, blob.down)
 
     async def _expert_plan(self, il: int, route: Route, st: StepTrace) -> ExpertPlan:
         """Layer il's routed experts for the step, grouped by expert: VRAM hits stay with the backend, each miss is

@@ -24,10 +24,13 @@ rows only), "decode" (decode rows only) or "mixed".
      "prefetch": [started, misses, predicted],                         # reads the prefetch started (HostConfig.
                                                                        # prefetch), the VRAM misses, and of them
                                                                        # the ones it had predicted
-     "experts_mode": "split" | "stream",                               # split: each layer's misses between the
+     "experts_mode": "split" | "stream" | "mapped",                    # split: each layer's misses between the
                                                                        # CPU pool and uploads; stream: every
                                                                        # expert a layer lacks in VRAM copied in
-                                                                       # while the layer before computes
+                                                                       # while the layer before computes; mapped:
+                                                                       # one graph, misses read by the kernels
+                                                                       # from pinned host memory
+     "mapped":  [experts, bytes],                                      # mapped steps: the misses read in place
      "stream":  [[layer, experts, bytes, copy_ms, exposed_ms], ...],   # stream steps: the device's copy time per
                                                                        # layer, and of it what post[l] waited for
      "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
@@ -54,11 +57,11 @@ _ORIGIN = time.perf_counter()
 # span kinds: what the driver was doing, in the table's order; DEVICE spans are device intervals as the host saw
 # them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
 DEVICE = ("pre_launch", "doorbell", "post_launch", "head_launch", "head_wait", "token_launch",
-          "token_wait")
+          "promote", "token_wait")
 WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload", "stream_wait")
 HOST = ("sample",)
 KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "stream_wait", "post_launch",
-         "head_launch", "head_wait", "token_launch", "token_wait", "sample")
+         "head_launch", "head_wait", "token_launch", "promote", "token_wait", "sample")
 LABELS = {
     "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch",
     "doorbell": "post[l-1] + pre[l]: doorbell wait",
@@ -66,6 +69,7 @@ LABELS = {
     "stream_wait": "experts: stream's reads wait",
     "post_launch": "post graph: launch", "head_launch": "head: launch",
     "head_wait": "post[last] + head: wait", "token_launch": "whole-token graph: launch",
+    "promote": "graph running: cache promotions",
     "token_wait": "whole-token graph: wait", "sample": "sample + deliver", "other": "other/host (residual)",
 }
 
@@ -96,6 +100,7 @@ class StepTrace:
     prefetch: list = field(default_factory=lambda: [0, 0, 0])     # [reads started, misses, misses predicted]
     mode: str = "split"                           # how the layers' misses were served: "split" or "stream"
     stream: list = field(default_factory=list)    # (layer, experts, bytes, copy_ms, exposed_ms): stream steps
+    mapped: list = field(default_factory=lambda: [0, 0])  # mapped steps: [VRAM misses read in place, their bytes]
 
     @property
     def prompt_tokens(self) -> int:
@@ -122,6 +127,10 @@ class StepTrace:
     def layer_experts(self, layer: int, routed: int, hits: int, cpu: int, fetched: int, cpu_bytes: int,
                       fetched_bytes: int, ram: int = 0, ssd: int = 0) -> None:
         self.experts.append((layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes, ram, ssd))
+
+    def mapped_read(self, n: int, nbytes: int) -> None:
+        self.mapped[0] += n
+        self.mapped[1] += nbytes
 
     def prefetch_issued(self, n: int) -> None:
         self.prefetch[0] += n
@@ -151,6 +160,7 @@ class StepTrace:
                 "experts": [list(e) for e in self.experts], "ple": list(self.ple), "tiers": self.tiers(),
                 "prefetch": list(self.prefetch), "experts_mode": self.mode,
                 "stream": [[l, n, b, round(c, 3), round(x, 3)] for l, n, b, c, x in self.stream],
+                "mapped": list(self.mapped),
                 "peak_rss": peak_rss_bytes()}
 
     def tiers(self) -> dict:
@@ -308,6 +318,9 @@ class PhaseSummary:
     stream_bytes: float = 0.0     # copy time, and of it what the posts waited for (exposed)
     stream_copy_ms: float = 0.0
     stream_exposed_ms: float = 0.0
+    mapped_steps: int = 0         # steps run as mapped tokens; all steps: misses read in place, and their bytes
+    mapped_experts: int = 0
+    mapped_bytes: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -354,7 +367,9 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
             max((r.get("peak_rss", 0) for r in rs), default=0),
             tuple(sum(r.get("prefetch", (0, 0, 0))[i] for r in rs) for i in range(3)),
             sum(r.get("experts_mode") == "stream" for r in rs), sum(x[2] for x in sm) / ns,
-            sum(x[3] for x in sm) / ns, sum(x[4] for x in sm) / ns))
+            sum(x[3] for x in sm) / ns, sum(x[4] for x in sm) / ns,
+            sum(r.get("experts_mode") == "mapped" for r in rs), sum(r.get("mapped", (0, 0))[0] for r in rs),
+            sum(r.get("mapped", (0, 0))[1] for r in rs)))
     return out
 
 
@@ -386,10 +401,14 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
                      f"{p.io_hidden_ms:.3f} ms ({_pct(p.io_hidden_ms, p.io_ms).strip()})")
         lines.append(f"  CPU pool: busy {p.cpu_ms:.3f} ms/step, hidden behind device {p.cpu_hidden_ms:.3f} ms "
                      f"({_pct(p.cpu_hidden_ms, p.cpu_ms).strip()})")
-        distinct = p.hits + p.cpu_experts + p.fetched
+        distinct = p.hits + p.cpu_experts + p.fetched + p.mapped_experts
         lines.append(f"  experts: {p.routed / p.tokens:.1f} routed/token, {distinct / p.steps:.1f} distinct/step: "
                      f"VRAM hits {_pct(p.hits, distinct).strip()}, CPU {p.cpu_experts / p.steps:.1f}/step, fetched "
                      f"to VRAM {p.fetched / p.steps:.1f}/step, {p.expert_bytes / 1e6:.2f} MB/step")
+        if p.mapped_steps:
+            lines.append(f"  mapped: {p.mapped_steps} of {p.steps} steps ran as one graph reading their VRAM misses "
+                         f"in place from pinned host memory: {p.mapped_experts / p.steps:.1f} experts/step, "
+                         f"{p.mapped_bytes / p.steps / 1e6:.2f} MB/step")
         pct = lambda x, y: _pct(x, y).strip()
         lines.append(f"  tiers: distinct experts/step from VRAM {p.hits / p.steps:.1f} ({pct(p.hits, distinct)}), "
                      f"RAM {p.ram_hits / p.steps:.1f} ({pct(p.ram_hits, distinct)}), SSD {p.ssd_reads / p.steps:.1f} "

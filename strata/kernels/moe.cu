@@ -92,8 +92,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 }
 
 // The routed experts' weights: expert slot s's gate, up and down matrices start at base + s * stride (a layer's
-// stacked GGUF tensors when every expert is resident, the cache's slots otherwise).
-// Layout must match strata/kernels/moe.py (MOE_JOB_DTYPE): 96 bytes.
+// stacked GGUF tensors when every expert is resident, the cache's slots otherwise), or, with ptab set (the
+// one-row kernels of a mapped token), at ptab[3 s + {0, 1, 2}]: the layer's table of each expert's addresses, a
+// VRAM cache slot or the expert's blob in mapped pinned host memory (read over PCIe by the kernel itself).
+// Layout must match strata/kernels/moe.py (MOE_JOB_DTYPE): 104 bytes.
 struct MoeJob {
     const u8* g_base;
     const u8* u_base;
@@ -104,11 +106,18 @@ struct MoeJob {
     i32 E, F, Fp;          // Fp: the row stride of h, F rounded up to 8 (16-byte aligned rows)
     i32 geom_gu, geom_d;   // tile geometry (quant.cuh geom_*) of the two launches
     i32 pad;
+    const unsigned long long* ptab;   // null: base + slot * stride
 };
+
+__device__ __forceinline__ const u8* expert_part(const MoeJob& J, int slot, int part) {
+    if (J.ptab != nullptr) return (const u8*)J.ptab[3 * slot + part];
+    return part == 0 ? J.g_base + slot * J.g_stride : part == 1 ? J.u_base + slot * J.u_stride
+                                                                : J.d_base + slot * J.d_stride;
+}
 
 // h[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for every selected expert j whose slot is >= 0 (a GPU expert);
 // grid (ceil(F / RT), k): CTA (t, j) stages rows [t RT, t RT + RT) of expert j's gate and up matrices.
-// slots[j] < 0: the host computes expert j, this CTA has nothing to do.
+// slots[j] < 0: the host computes expert j, this CTA has nothing to do. With ptab, slots are the expert ids.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const MoeJob* __restrict__ job,
                                                                  const i32* __restrict__ slots,
                                                                  const float* __restrict__ x, float* h) {
@@ -119,8 +128,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const MoeJob* _
     if (slot < 0) return;
     const int tpg = geom_tpg(J.geom_gu), rr = geom_rr(J.geom_gu), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.F - row0);
-    const Ranges R = ranges2(J.g_base + slot * J.g_stride + (size_t)row0 * J.rb_g, nrows * J.rb_g,
-                             J.u_base + slot * J.u_stride + (size_t)row0 * J.rb_u, nrows * J.rb_u);
+    const Ranges R = ranges2(expert_part(J, slot, 0) + (size_t)row0 * J.rb_g, nrows * J.rb_g,
+                             expert_part(J, slot, 1) + (size_t)row0 * J.rb_u, nrows * J.rb_u);
     stage(R);
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
@@ -156,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down(const MoeJob* __re
     if (slot < 0) return;
     const int tpg = geom_tpg(J.geom_d), rr = geom_rr(J.geom_d), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.E - row0);
-    const Ranges R = ranges2(J.d_base + slot * J.d_stride + (size_t)row0 * J.rb_d, nrows * J.rb_d, nullptr, 0);
+    const Ranges R = ranges2(expert_part(J, slot, 2) + (size_t)row0 * J.rb_d, nrows * J.rb_d, nullptr, 0);
     stage(R);
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;

@@ -15,12 +15,13 @@ from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geo
 MAX_EXPERTS = 1024      # one router thread per expert
 MAX_USED = 64           # pk[] in moe_route
 
-# struct MoeJob (moe.cu), 96 bytes
+# struct MoeJob (moe.cu), 104 bytes
 MOE_JOB_DTYPE = np.dtype([("g_base", "<u8"), ("u_base", "<u8"), ("d_base", "<u8"), ("g_stride", "<i8"),
                           ("u_stride", "<i8"), ("d_stride", "<i8"), ("type_g", "<i4"), ("type_u", "<i4"),
                           ("type_d", "<i4"), ("rb_g", "<i4"), ("rb_u", "<i4"), ("rb_d", "<i4"), ("E", "<i4"),
-                          ("F", "<i4"), ("Fp", "<i4"), ("geom_gu", "<i4"), ("geom_d", "<i4"), ("pad", "<i4")])
-assert MOE_JOB_DTYPE.itemsize == 96
+                          ("F", "<i4"), ("Fp", "<i4"), ("geom_gu", "<i4"), ("geom_d", "<i4"), ("pad", "<i4"),
+                          ("ptab", "<u8")])
+assert MOE_JOB_DTYPE.itemsize == 104
 
 
 def padded_ff(cfg: ModelConfig) -> int:
@@ -79,7 +80,9 @@ def expert_geometry(cfg: ModelConfig, bank: ExpertBank):
     return gu, dn
 
 
-def moe_job_row(cfg: ModelConfig, bank: ExpertBank) -> np.ndarray:
+def moe_job_row(cfg: ModelConfig, bank: ExpertBank, ptab: int = 0) -> np.ndarray:
+    """ptab: the device address of the layer's (n_expert, 3) table of expert part addresses (a mapped token's
+    one-row kernels: slots are then expert ids); 0: base + slot * stride."""
     E, Fn = cfg.n_embd, cfg.n_ff_exp
     g, u, d = bank.gate, bank.up, bank.down
     for m, n_out, n_in, what in ((g, Fn, E, "gate"), (u, Fn, E, "up"), (d, E, Fn, "down")):
@@ -95,14 +98,19 @@ def moe_job_row(cfg: ModelConfig, bank: ExpertBank) -> np.ndarray:
     r["E"], r["F"], r["Fp"] = E, Fn, padded_ff(cfg)
     gu, dn = expert_geometry(cfg, bank)
     r["geom_gu"], r["geom_d"] = gu.word, dn.word
+    r["ptab"] = ptab
     return r
 
 
 def expert_launches(fn_gate_up, fn_down, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank,
-                    slots: DevArray, x: DevArray, h: DevArray, out: DevArray) -> tuple[Launch, Launch]:
-    """Uploads the layer's MoeJob into `job` and returns (gate/up GLU, down) over the k selected experts."""
+                    slots: DevArray, x: DevArray, h: DevArray, out: DevArray,
+                    ptab: DevArray | None = None) -> tuple[Launch, Launch]:
+    """Uploads the layer's MoeJob into `job` and returns (gate/up GLU, down) over the k selected experts.
+    ptab: the layer's (n_expert, 3) uint64 table of part addresses (slots are then the routed expert ids)."""
     k, E, Fn = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
-    row = moe_job_row(cfg, bank)
+    if ptab is not None:
+        need(ptab, name + " address table", 3 * cfg.n_expert, np.uint64)
+    row = moe_job_row(cfg, bank, 0 if ptab is None else ptab.ptr)
     need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
     need(slots, name + " slots", k, np.int32)
     need(x, name + " x", E)

@@ -1,0 +1,198 @@
+"""Mapped decode rows (HostConfig.map_experts): once the RAM tier holds every expert, a one-row step runs as one
+graph whose expert kernels read each routed expert from its VRAM cache slot, or from its blob in host memory,
+and the misses are promoted into the cache while the next token runs. On the CPU twin (CpuBackend with
+cache_slots: slot copies, a load counted as the host's until the launch after it, the token's routes reported)
+the logits equal the teacher-forced reference's exactly; the choice by measured cost; the trace's counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata.engine import Engine
+from strata.host.backend import BackendError, CpuBackend
+from strata.host.experts import ExpertLayout
+from strata.host.scheduler import HostConfig, Scheduler
+from strata.host.trace import Tracer, format_summary, load, summarize
+from strata.model.loader import load_model
+from test_scheduler import TOKENS, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
+
+
+class Spy(CpuBackend):
+    """The cache twin, recording each mapped token's (ids, read-from-slot) and every load."""
+
+    def __init__(self, model, slots: int):
+        super().__init__(model, cache_slots=slots)
+        self.tokens: list[tuple[np.ndarray, np.ndarray]] = []
+        self.loads: list[tuple[int, int, int, int]] = []      # (launches so far, layer, expert, slot)
+
+    def token_routes(self):
+        got = super().token_routes()
+        self.tokens.append(got)
+        return got
+
+    def load_expert(self, layer, expert, slot, gate, up, down):
+        self.loads.append((self.launches, layer, expert, slot))
+        super().load_expert(layer, expert, slot, gate, up, down)
+
+
+async def _preload(sched: Scheduler) -> None:
+    import asyncio
+    for il in range(sched.cfg.n_layer):
+        for e in range(sched.cfg.n_expert):
+            await asyncio.wrap_future(sched.store.fetch(il, e))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mix,exact", [("f32", False), ("realistic", False), ("realistic", True)])
+async def test_mapped_tokens_keep_parity(mix, exact, tiny_gguf, realistic_gguf):
+    """Every row a mapped token (map_experts="always"): exact logits at every position, experts read both from
+    slots and from host memory, misses promoted, and a slot loaded after a launch is read from host memory by the
+    next token (its copy is in flight), from its slot by the one after."""
+    path = tiny_gguf if mix == "f32" else realistic_gguf
+    model = load_model(path, exact=exact)
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    be = Spy(model, 32)                                    # half of the 4 x 16 experts
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=32 * blob, map_experts="always"),
+                      exact=exact)
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(path, exact=exact), TOKENS)
+        assert len(be.tokens) == len(TOKENS) and be.launches == len(TOKENS)
+        res = np.stack([r for _, r in be.tokens])
+        assert res.any() and not res.all()                 # some from slots, some from host memory
+        assert be.loads and len(sched.cache) == 32
+        for at, layer, expert, slot in be.loads:           # loaded while token at - 1 ran: token at reads it
+            if at >= len(be.tokens):                       # from host memory (its copy is in flight)
+                continue
+            ids, r = be.tokens[at]
+            if expert in ids[layer]:
+                assert not r[layer][list(ids[layer]).index(expert)]
+        assert sched.pool.threads._work_queue.qsize() == 0 and sched.cache.uploads == len(be.loads)
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_mapped_waits_for_the_whole_store(realistic_gguf):
+    """Until the RAM tier holds every expert, rows go layer by layer (the split); after the preload they map."""
+    model = load_model(realistic_gguf)
+    be = Spy(model, 8)
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=8 * blob, map_experts="always"))
+    try:
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:4])
+        assert be.launches == 0 and not be.mapped
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:6])
+        assert be.launches == 6 and be.mapped
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_mapped_then_split_rows_read_the_same_cache(realistic_gguf):
+    """Mapped rows fill the cache; rows forced to the split (map_experts="never" from then on) use those slots as
+    VRAM hits (the twin computes them from its slot copies) and the logits stay exact."""
+    model = load_model(realistic_gguf)
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    be = Spy(model, 16)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=16 * blob, map_experts="always"))
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:8])
+        hits0 = sum(sched.cache.hits.values())
+        sched._can_map = False
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
+        assert be.launches == 8 and sum(sched.cache.hits.values()) > hits0
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_auto_picks_the_cheaper_mode(realistic_gguf):
+    """auto: the first mapped-eligible row maps, the next splits (each measured once), then the cheaper by the
+    measured wall per token; a backend that cannot map is not asked again."""
+    model = load_model(realistic_gguf)
+    be = Spy(model, 8)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, map_experts="auto"))
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:2])
+        assert be.launches == 1 and set(sched._mode_cost[1]) == {"mapped", "split"}
+        sched._mode_cost[1] = {"mapped": 2.0, "split": 1.0}
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:3])
+        assert be.launches == 1
+        sched._mode_cost[1] = {"mapped": 0.5, "split": 1.0}
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:3])
+        assert be.launches == 4
+    finally:
+        await sched.aclose()
+
+    class NoMap(Spy):
+        def map_experts(self, blobs):
+            self.asked = getattr(self, "asked", 0) + 1
+            return False
+    be = NoMap(model, 8)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, map_experts="always"))
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:4])
+        assert be.asked == 1 and be.launches == 0
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_mapped_trace(realistic_gguf, tmp_path):
+    """The trace marks mapped steps, counts each layer's VRAM hits and the misses read in place with their bytes,
+    and the summary's parts still sum to the wall."""
+    model = load_model(realistic_gguf)
+    layout = ExpertLayout.from_model(model)
+    be = Spy(model, 8)
+    path = tmp_path / "t.jsonl"
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=8 * layout.blob_bytes(0),
+                                            map_experts="always"), tracer=Tracer(str(path)))
+    try:
+        await _preload(sched)
+        await sched.score(TOKENS[:6])
+    finally:
+        await sched.aclose()
+    sched.tracer.close()
+    recs = load(str(path))
+    assert [r["experts_mode"] for r in recs] == ["mapped"] * 6
+    k = model.cfg.n_expert_used
+    for r, (ids, res) in zip(recs, be.tokens):
+        assert [e[2] for e in r["experts"]] == res.sum(axis=1).tolist()
+        misses = (~res).sum(axis=1)
+        assert r["mapped"] == [int(misses.sum()), sum(int(m) * layout.blob_bytes(il) for il, m in enumerate(misses))]
+        assert all(e[1] == k for e in r["experts"])
+    (d,) = [p for p in summarize(recs) if p.phase == "prefill"] or summarize(recs)
+    assert d.mapped_steps == 6 and abs(sum(d.ms[x] for x in d.ms if x != "total") - d.ms["total"]) < 1e-6
+    assert "mapped: 6 of 6 steps" in format_summary([d])
+
+
+def test_cache_twin_protocol(realistic_gguf):
+    """The twin's checks: slots in range, a mapped launch needs map_experts and one row, blobs for every layer."""
+    model = load_model(realistic_gguf)
+    be = CpuBackend(model, cache_slots=2)
+    lw = model.weights.layers[0]
+    try:
+        with pytest.raises(BackendError, match="slot 2 of 2"):
+            be.load_expert(0, 0, 2, *(np.zeros((1, 1), np.uint8),) * 3)
+        with pytest.raises(BackendError, match="map_experts first"):
+            be.launch_whole(None, None)
+        with pytest.raises(BackendError, match="blobs for 1 layers"):
+            be.map_experts([[None] * model.cfg.n_expert])
+        assert not CpuBackend(model, experts="mapped").map_experts([])
+        assert not CpuBackend(model).map_experts([])              # no cache: nothing to map for
+        with pytest.raises(ValueError, match="cache twin"):
+            CpuBackend(model, experts="mapped", cache_slots=1)
+        assert lw is not None
+    finally:
+        be.close()
+
+
+def test_host_config_checks_map_experts():
+    with pytest.raises(ValueError, match="map_experts"):
+        HostConfig(map_experts="sometimes")
