@@ -131,13 +131,15 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                 prompt = tokens_for(n, cfg.n_vocab, cfg.eos_id or -1, 1)
                 params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
                 stamps = []
-                modes = dict(eng.scheduler.chunk_modes)
+                modes, dmodes = dict(eng.scheduler.chunk_modes), dict(eng.scheduler.decode_modes)
                 t0 = time.perf_counter()
                 async for _ in eng.generate(prompt, params):
                     stamps.append(time.perf_counter())
                 r = {"prefill_tok_s": n / (stamps[0] - t0)}
                 r["chunks"] = {m: c - modes.get(m, 0) for m, c in eng.scheduler.chunk_modes.items()
                                if c > modes.get(m, 0)}           # the prompt's chunks: streamed or split
+                r["rows"] = {m: c - dmodes.get(m, 0) for m, c in eng.scheduler.decode_modes.items()
+                             if c > dmodes.get(m, 0)}            # its one-row steps: mapped or split
                 if kind == "decode":     # the last chunk: the finish marker
                     r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)
             print(f"strata {kind} {n}: {r}", file=sys.stderr, flush=True)

@@ -116,7 +116,7 @@ def test_cache_bookkeeping_is_one_map(monkeypatch):
     be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
     be.file_types *= n_layer
     be._as_is *= n_layer
-    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._dirty = "host", n_slots, None, [], [], set()
+    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._retab = "host", n_slots, None, [], [], []
     be._slot_of, be._owner = {}, [None] * n_slots
     be._slots = np.full((n_layer, n_exp), -1, np.int32)
     rng = np.random.default_rng(1)
@@ -162,7 +162,7 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
     be.file_types *= n_layer
     be._as_is *= n_layer
-    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._dirty = "host", n_slots, None, [], [], set()
+    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._retab = "host", n_slots, None, [], [], []
     be._slot_of, be._owner = {}, [None] * n_slots
     be._slots = np.full((n_layer, n_exp), -1, np.int32)
     be.stream = SimpleNamespace(waits=[], wait=lambda ev: be.stream.waits.append(ev))
@@ -174,8 +174,10 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be.h_ptab, be.b_ptab = SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 30)
     be.ev_ptab, be._ptab_sent = FakeEvent(), False
     be._host_addr = (np.arange(n_layer * n_exp * 3, dtype=np.uint64).reshape(n_layer, n_exp, 3) + 1) << np.uint64(8)
-    be._dirty = set(range(n_layer))
     at = np.array([0, be.slot_parts[0], be.slot_parts[0] + be.slot_parts[1]], np.uint64)
+    be._slot_addr = np.uint64(be.slot_buf.ptr) + np.arange(n_slots, dtype=np.uint64)[:, None] * np.uint64(
+        be.slot_bytes) + at
+    be._retab_all = True
     dev = lambda s: np.uint64(be.slot_buf.ptr) + np.uint64(s * be.slot_bytes) + at
     rb = n_exp * 3 * 8
 

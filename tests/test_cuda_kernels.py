@@ -557,8 +557,12 @@ def test_experts(rig, qt):
     bank = kmoe.ExpertBank(gm, 0, um, 0, dm, 0, (gm.mat_bytes, um.mat_bytes, dm.mat_bytes))
     slots_v = np.array([3, -1, 0, 4], np.int32)
     xv = rng.standard_normal(E).astype(F32)
-    job, slots = rig.buf("job", (96,), np.uint8), rig.buf("slots", (4,), np.int32, slots_v)
+    job, slots = rig.buf("job", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), rig.buf("slots", (4,), np.int32, slots_v)
     x, h, out = rig.buf("x", (E,), value=xv), rig.buf("h", (4, kmoe.padded_ff(cfg))), rig.buf("out", (4, E))
+    # the mapped token's path: an address table per expert id; ids 1 and 5 live in mapped pinned host memory
+    ids_v = np.array([3, 1, 0, 5], np.int32)
+    job_m, ids = rig.buf("job_m", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), rig.buf("ids", (4,), np.int32, ids_v)
+    ptab = rig.buf("ptab", (cfg.n_expert, 3), np.uint64)
     rig.commit()
     gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts", cfg, job,
                                   bank, slots, x, h, out)
@@ -571,6 +575,30 @@ def test_experts(rig, qt):
             continue
         ref = expert_ffn(G[s].astype(np.float64), U[s].astype(np.float64), Dn[s].astype(np.float64), xv)
         assert rel(got[j], ref) <= TOL, f"expert slot {s}: {rel(got[j], ref):.2e}"
+    mats = [(g_raw, gm), (u_raw, um), (d_raw, dm)]
+    rows = lambda raw, m, e: np.ascontiguousarray(raw).view(np.uint8).reshape(m.n_mat, -1)[e]
+    host = drv.HostBuffer(2 * sum(m.mat_bytes for m in (gm, um, dm)), mapped=True, what="test experts")
+    try:
+        table, at = np.zeros((cfg.n_expert, 3), np.uint64), 0
+        for e, src in ((0, 0), (3, 3), (1, 2), (5, 4)):     # expert id -> the slot whose weights it has
+            for p, (raw, m) in enumerate(mats):
+                if e in (1, 5):                              # from host memory
+                    host.array(np.uint8, (m.mat_bytes,), at)[:] = rows(raw, m, src)
+                    table[e, p] = host.dptr + at
+                    at += m.mat_bytes
+                else:
+                    table[e, p] = m.ptr + src * m.mat_bytes
+        ptab.upload(table)
+        gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts mapped",
+                                      cfg, job_m, bank, ids, x, h, out, ptab)
+        rig.poison(h, out)
+        rig.run(gu, dn)
+        got = out.download()
+        for j, s in enumerate([3, 2, 0, 4]):
+            ref = expert_ffn(G[s].astype(np.float64), U[s].astype(np.float64), Dn[s].astype(np.float64), xv)
+            assert rel(got[j], ref) <= TOL, f"mapped expert {ids_v[j]}: {rel(got[j], ref):.2e}"
+    finally:
+        host.free()
 
 
 def test_combine_write_rms(rig):

@@ -491,7 +491,8 @@ class CudaBackend:
             self._pend_slot = np.full(max(self.n_slots, 1), -1, np.int32)   # slot -> ev_loads turn of its copy
             self._pend_turns: set[int] = set()
             self._loaded_slots: list[int] = []
-            self._dirty: set[int] = set()
+            self._retab: list[tuple[int, int]] = []     # table entries whose residency may have changed
+            self._retab_all = False
             self._eff = np.zeros((cfg.n_layer, cfg.n_expert), bool)         # the table's VRAM entries
             self._tok_eff = self._eff                                       # ... as the last mapped token read it
             if self.can_map:
@@ -944,8 +945,8 @@ class CudaBackend:
         if old is not None:
             del self._slot_of[old]
             self._slots[old] = -1
-            self._dirty.add(old[0])
-        self._dirty.add(layer)
+            self._retab.append(old)
+        self._retab.append((layer, expert))
         self._owner[slot] = (layer, expert)
         self._slot_of[(layer, expert)] = slot
         self._slots[layer, expert] = slot
@@ -1009,7 +1010,10 @@ class CudaBackend:
                     return False
                 addr[il, e] = a
         self._host_addr, self._map_refs = addr, [list(r) for r in blobs]
-        self._dirty = set(range(cfg.n_layer))
+        at = np.array([0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1]], np.uint64)
+        self._slot_addr = (np.uint64(self.slot_buf.ptr) + np.arange(max(self.n_slots, 1), dtype=np.uint64)[:, None]
+                           * np.uint64(self.slot_bytes) + at)              # (slots, 3) each slot's parts
+        self._retab_all = True
         self.mapped = True
         return True
 
@@ -1018,9 +1022,12 @@ class CudaBackend:
         self._inflight[turn] = None
         if turn in self._pend_turns:
             self._pend_turns.discard(turn)
-            done = np.flatnonzero(self._pend_slot == turn)
-            self._pend_slot[done] = -1
-            self._dirty.update(o[0] for o in (self._owner[i] for i in done.tolist()) if o is not None)
+            self._settled(np.flatnonzero(self._pend_slot == turn))
+
+    def _settled(self, slots: np.ndarray) -> None:
+        """These slots' copies are done (or waited for by the main stream): their experts are VRAM's again."""
+        self._pend_slot[slots] = -1
+        self._retab.extend(o for o in (self._owner[i] for i in slots.tolist()) if o is not None)
 
     def _join_pending(self) -> None:
         """A step that is not a mapped token reads every slot the cache reports resident: the main stream waits
@@ -1028,14 +1035,13 @@ class CudaBackend:
         for turn in list(self._pend_turns):
             self.stream.wait(self.ev_loads[turn])
             self._pend_turns.discard(turn)
-            done = np.flatnonzero(self._pend_slot == turn)
-            self._pend_slot[done] = -1
-            self._dirty.update(o[0] for o in (self._owner[i] for i in done.tolist()) if o is not None)
+            self._settled(np.flatnonzero(self._pend_slot == turn))
 
     def _sync_ptab(self) -> None:
         """Before a mapped token: the loads since the last launch get an event (their slots pending until it
         completes: a pending slot is read from host memory), finished loads are resolved, and the rows of the
-        layers whose residency changed go to the device table, on the main stream ahead of the token."""
+        layers whose entries changed go to the device table, on the main stream ahead of the token (only the
+        changed entries are recomputed: a load changes two, its expert's and the one it evicted)."""
         if self._loaded:
             slots = list(self._loaded_slots)
             turn = self._loads_event()
@@ -1044,20 +1050,23 @@ class CudaBackend:
         for turn in list(self._pend_turns):
             if self.ev_loads[turn].query("expert uploads"):
                 self._resolve(turn)
-        if not self._dirty:
+        if self._retab_all:
+            ls, es = (a.reshape(-1) for a in np.indices(self._slots.shape))
+        elif self._retab:
+            ls, es = np.array(self._retab, np.int64).T
+        else:
             return
-        lo, hi = min(self._dirty), max(self._dirty) + 1
-        self._dirty = set()
-        s = self._slots[lo:hi]
+        self._retab, self._retab_all = [], False
+        s = self._slots[ls, es]
         res = s >= 0
+        sl = np.maximum(s, 0)
         if self._pend_turns:
-            res &= self._pend_slot[np.maximum(s, 0)] < 0
-        self._eff[lo:hi] = res
-        at = np.array([0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1]], np.uint64)
-        dev = (np.uint64(self.slot_buf.ptr) + np.maximum(s, 0).astype(np.uint64) * np.uint64(self.slot_bytes))
+            res &= self._pend_slot[sl] < 0
         if self._ptab_sent:
             self.ev_ptab.synchronize("expert address table")      # the last copy of the staging is done
-        self.ptab[lo:hi] = np.where(res[..., None], dev[..., None] + at, self._host_addr[lo:hi])
+        self._eff[ls, es] = res
+        self.ptab[ls, es] = np.where(res[:, None], self._slot_addr[sl], self._host_addr[ls, es])
+        lo, hi = int(ls.min()), int(ls.max()) + 1
         rb = self.ptab[0].nbytes
         drv.memcpy_htod_async(self.b_ptab.ptr + rb * lo, self.h_ptab.ptr + rb * lo, rb * (hi - lo), self.stream,
                               "expert address table")

@@ -68,6 +68,8 @@ def _size_class(T: int) -> int:
 
 
 STREAM_SURE = 4            # routes per expert from which a step streams without trying the split
+MODE_RETRY = 32            # every this many choices between two measured modes, the costlier is measured again (a
+                           # first measurement on a cold cache must not decide for good)
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 
@@ -244,7 +246,10 @@ class Scheduler:
         # host-to-device copy rate of an upload from pinned memory (the CUDA backend measures it at open)
         self.h2d_bps = getattr(backend, "h2d_bytes_per_s", None) or H2D_BYTES_PER_S
         self._mode_cost: dict[int, dict[str, float]] = {}   # step size class -> {mode: wall seconds per row}
+        self._mode_picks: dict[int, int] = defaultdict(int)   # size class -> choices made by measured cost
+        self._mode_last: dict[int, str] = {}                  # size class -> the mode its last step took
         self.chunk_modes: dict[str, int] = defaultdict(int)   # steps of several rows by how their experts went
+        self.decode_modes: dict[str, int] = defaultdict(int)  # one-row steps likewise (split or mapped)
         self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
         self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
@@ -656,8 +661,7 @@ class Scheduler:
         be, n = self.backend, self.cfg.n_layer
         stream = self._streams(step)
         st.mode = "stream" if stream else "split"
-        if step.T > 1:
-            self.chunk_modes[st.mode] += 1
+        (self.chunk_modes if step.T > 1 else self.decode_modes)[st.mode] += 1
         t0 = t_begin = clock()
         be.begin(step)
         st.span("pre_launch", -1, t0, clock())
@@ -707,10 +711,17 @@ class Scheduler:
         if stream:
             st.stream = be.stream_times()
         if step.T > 1 or self._mapped:   # what the mode cost: wall seconds per row, per size class
-            costs = self._mode_cost.setdefault(_size_class(step.T), {})
-            new, old = (clock() - t_begin) / step.T, costs.get(st.mode)
-            costs[st.mode] = new if old is None else old + MissCosts.ALPHA * (new - old)
+            self._observe(_size_class(step.T), st.mode, (clock() - t_begin) / step.T)
         return logits
+
+    def _observe(self, size: int, mode: str, per_row: float) -> None:
+        """A step's wall seconds per row in `mode`: a running mean while the mode repeats; a mode taken again after
+        the other (its retry) starts from this measurement, its old one being stale."""
+        costs = self._mode_cost.setdefault(size, {})
+        old = costs.get(mode)
+        fresh = old is None or self._mode_last.get(size) != mode
+        costs[mode] = per_row if fresh else old + MissCosts.ALPHA * (per_row - old)
+        self._mode_last[size] = mode
 
     # ---- streaming a step's experts ------------------------------------------------------------------------------
     def _streams(self, step: Step) -> bool:
@@ -729,11 +740,7 @@ class Scheduler:
         reach = step.T * cfg.n_expert_used / cfg.n_expert
         if reach < 1 or reach >= STREAM_SURE:
             return reach >= 1
-        seen = self._mode_cost.get(_size_class(step.T), {})
-        for m in ("stream", "split"):         # unmeasured at this size: try it
-            if m not in seen:
-                return m == "stream"
-        return seen["stream"] <= seen["split"]
+        return self._cheaper(_size_class(step.T), "stream", "split") == "stream"
 
     def _stream_fetch(self, il: int) -> tuple:
         """The reads of layer il's experts that the backend lacks, started now: (experts, futures, in RAM)."""
@@ -819,11 +826,19 @@ class Scheduler:
             self._blobs = blobs
         if self.host.map_experts == "always":
             return True
-        seen = self._mode_cost.get(1, {})
-        for m in ("mapped", "split"):
+        return self._cheaper(1, "mapped", "split") == "mapped"
+
+    def _cheaper(self, size: int, first: str, second: str) -> str:
+        """Of two modes for steps of this size class: an unmeasured one (`first` before `second`), else the one with
+        the lower measured wall per row, except that every MODE_RETRY-th choice takes the costlier one, so that its
+        estimate follows the cache as it warms."""
+        seen = self._mode_cost.get(size, {})
+        for m in (first, second):
             if m not in seen:
-                return m == "mapped"
-        return seen["mapped"] <= seen["split"]
+                return m
+        best, other = (first, second) if seen[first] <= seen[second] else (second, first)
+        self._mode_picks[size] += 1
+        return other if self._mode_picks[size] % MODE_RETRY == 0 else best
 
     async def _forward_mapped(self, step: Step, reads, st: StepTrace) -> np.ndarray:
         """A decode row as one graph: each layer's routed experts are read by its kernels from the VRAM cache or,
@@ -832,6 +847,7 @@ class Scheduler:
         The trace counts the misses as RAM-tier experts read over PCIe."""
         be, cfg = self.backend, self.cfg
         st.mode = "mapped"
+        self.decode_modes["mapped"] += 1
         t_begin = clock()
 
         def promote():
@@ -851,9 +867,7 @@ class Scheduler:
             miss = ids.shape[1] - n_hit
             st.layer_experts(il, ids.shape[1], n_hit, 0, 0, 0, 0, miss, 0)
             st.mapped_read(miss, miss * self.layout.blob_bytes(il))
-        costs = self._mode_cost.setdefault(1, {})
-        new, old = clock() - t_begin, costs.get("mapped")
-        costs["mapped"] = new if old is None else old + MissCosts.ALPHA * (new - old)
+        self._observe(1, "mapped", clock() - t_begin)
         return logits
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
