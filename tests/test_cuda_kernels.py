@@ -576,7 +576,7 @@ def test_experts(rig, qt):
         ref = expert_ffn(G[s].astype(np.float64), U[s].astype(np.float64), Dn[s].astype(np.float64), xv)
         assert rel(got[j], ref) <= TOL, f"expert slot {s}: {rel(got[j], ref):.2e}"
     mats = [(g_raw, gm), (u_raw, um), (d_raw, dm)]
-    rows = lambda raw, m, e: np.ascontiguousarray(raw).view(np.uint8).reshape(m.n_mat, -1)[e]
+    rows = lambda raw, m, e: device_rows(raw, qt, m.n_out * m.n_mat, m.n_in).reshape(m.n_mat, -1)[e]   # as rig.mat
     host = drv.HostBuffer(2 * sum(m.mat_bytes for m in (gm, um, dm)), mapped=True, what="test experts")
     try:
         table, at = np.zeros((cfg.n_expert, 3), np.uint64), 0
