@@ -324,6 +324,9 @@ def llama_bench(binary: str, model: str, args: list[str], timeout: float) -> tup
     res = [{"n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "n_depth": r.get("n_depth", 0),
             "tok_s": float(np.median(r["samples_ts"])), "n_cpu_moe": r.get("n_cpu_moe", 0)}
            for r in json.loads(out)]
+    for r in res:              # as they come: a run cut short by a time limit keeps what finished
+        print(f"# llama.cpp: prompt {r['n_prompt']}, gen {r['n_gen']}, depth {r['n_depth']}: {r['tok_s']:.2f} tok/s, "
+              f"peak device {peak.get('peak_dev_gib', 0):.2f} GiB", flush=True)
     return res, peak
 
 
