@@ -107,18 +107,23 @@ def test_a_slice_the_kernels_cannot_take_is_converted(monkeypatch):
         be._device_parts(0, 3, g.reshape(-1)[:-34].reshape(-1, 34)[:32], u, d, "test")
 
 
-def test_cache_bookkeeping_is_one_map(monkeypatch):
-    """load_expert replaces a slot's expert: resident() (vectorized) and the slot map agree after every load,
-    the old expert is no longer resident, and every load copied its slices."""
-    qt, E, Fn = QType.Q8_0, 64, 32
-    be, copies = backend(qt, E, Fn, monkeypatch)
-    n_layer, n_exp, n_slots = 3, 8, 4
+def with_cache(be, n_layer: int, n_exp: int, n_slots: int) -> None:
+    """The fake backend as experts="host" with n_slots cache slots for n_layer layers of n_exp experts."""
     be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
     be.file_types *= n_layer
     be._as_is *= n_layer
     be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._retab = "host", n_slots, None, [], [], []
     be._slot_of, be._owner = {}, [None] * n_slots
     be._slots = np.full((n_layer, n_exp), -1, np.int32)
+
+
+def test_cache_bookkeeping_is_one_map(monkeypatch):
+    """load_expert replaces a slot's expert: resident() (vectorized) and the slot map agree after every load,
+    the old expert is no longer resident, and every load copied its slices."""
+    qt, E, Fn = QType.Q8_0, 64, 32
+    be, copies = backend(qt, E, Fn, monkeypatch)
+    n_layer, n_exp, n_slots = 3, 8, 4
+    with_cache(be, n_layer, n_exp, n_slots)
     rng = np.random.default_rng(1)
     held: dict[int, tuple[int, int]] = {}
     for i in range(40):
@@ -159,12 +164,7 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     qt, E, Fn = QType.Q8_0, 64, 32
     be, copies = backend(qt, E, Fn, monkeypatch)
     n_layer, n_exp, n_slots, k = 4, 8, 3, 2
-    be.cfg.n_layer, be.cfg.n_expert = n_layer, n_exp
-    be.file_types *= n_layer
-    be._as_is *= n_layer
-    be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._retab = "host", n_slots, None, [], [], []
-    be._slot_of, be._owner = {}, [None] * n_slots
-    be._slots = np.full((n_layer, n_exp), -1, np.int32)
+    with_cache(be, n_layer, n_exp, n_slots)
     be.stream = SimpleNamespace(waits=[], wait=lambda ev: be.stream.waits.append(ev))
     be.ev_loads = [FakeEvent() for _ in range(cb.LOAD_EVENTS)]
     be.loads_turn, be._inflight = 0, [None] * cb.LOAD_EVENTS
