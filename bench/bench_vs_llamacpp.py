@@ -132,6 +132,8 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                 params = SamplingParams(max_tokens=n_decode if kind == "decode" else 1, stop_at_eos=False)
                 stamps = []
                 modes, dmodes = dict(eng.scheduler.chunk_modes), dict(eng.scheduler.decode_modes)
+                cache = eng.scheduler.cache
+                hits0, looks0 = sum(cache.hits.values()), sum(cache.lookups.values())
                 t0 = time.perf_counter()
                 async for _ in eng.generate(prompt, params):
                     stamps.append(time.perf_counter())
@@ -142,6 +144,9 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                              if c > dmodes.get(m, 0)}            # its one-row steps: mapped or split
                 if kind == "decode":     # the last chunk: the finish marker
                     r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)
+                looks = sum(cache.lookups.values()) - looks0
+                if looks:                # the request's VRAM cache hit rate (prompt and decode rows)
+                    r["vram_hits"] = round((sum(cache.hits.values()) - hits0) / looks, 4)
             print(f"strata {kind} {n}: {r}", file=sys.stderr, flush=True)
             out.append(r)
         await eng.aclose()
