@@ -33,6 +33,10 @@ def _progress(done: int, total: int, label: str = "prompt", scale: int = 1, unit
         print(f"{label} {shown}", file=sys.stderr, flush=True)
 
 
+def _preload_progress(done: int, total: int) -> None:
+    _progress(done, total, "preloading experts", scale=1 << 30, unit=" GiB")
+
+
 def _write_progress(label: str):
     """A GGUF writer's progress (tensor, bytes done, bytes total; per chunk) as _progress lines, one per percent."""
     shown = [-1]
@@ -90,6 +94,10 @@ def cmd_generate(a) -> int:
             _progress(done, total)
         async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx,
                                      log=opened.append) as eng:
+            if a.preload:
+                while opened:
+                    _log(opened.pop())
+                await eng.preload_experts(_preload_progress)
             async for c in eng.generate(a.prompt, params, progress=progress):
                 sys.stdout.write(c.text)
                 sys.stdout.flush()
@@ -121,6 +129,8 @@ def cmd_chat(a) -> int:
         return 2
     tty = sys.stdin.isatty()
     with eng:
+        if a.preload:
+            eng.preload_experts_sync(_preload_progress)
         fmt = ChatFormat.of(eng)
         start = [{"role": "system", "content": a.system}] if a.system else []
         history = list(start)
@@ -177,6 +187,8 @@ def cmd_serve(a) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):      # a clean stop: requests aborted, the engine closed
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         async with await Engine.open(a.model, backend=a.backend, host=_host(a), trace=a.trace, n_ctx=a.ctx) as eng:
+            if a.preload:
+                await eng.preload_experts(_preload_progress)
             name = a.name or Path(eng.model.file.path).stem
 
             def ready(host: str, port: int) -> None:       # the open line after: the address stays the first line
@@ -281,6 +293,10 @@ def _engine_options(g) -> None:
                         "the misses between the CPU pool and uploads; auto: by how many routes the chunk's rows give "
                         "each expert, then by each mode's measured time per row (the trace says which each step "
                         "used)")
+    g.add_argument("--preload", action="store_true",
+                   help="read every expert into the RAM tier before the first request (progress on stderr): no "
+                        "expert read from disk while decoding, and with --experts host and a RAM tier that holds them "
+                        "all, decode rows run as mapped tokens (see --map-experts)")
     g.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="experts in host memory, a decode row, every expert held in RAM (--host-budget-gib large "
                         "enough; they are read as routed, or all first by the benches' preload): run the token as one "

@@ -240,14 +240,23 @@ class Engine:
         """Teacher-forced logits (n_tokens, n_vocab) float32 computed by the token loop over the backend."""
         return await self.scheduler.score(self.check_tokens(tokens))
 
-    async def preload_experts(self) -> int:
+    async def preload_experts(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Read every expert blob into the host store (at most its budget stays), a layer at a time on the I/O
-        pool, so that decoding starts with no expert read from disk. Returns the bytes read."""
+        pool, so that decoding starts with no expert read from disk; with a VRAM budget and a store that holds
+        them all, decode rows then run as mapped tokens (HostConfig.map_experts). progress(bytes done, bytes
+        in all) after each layer. Returns the bytes read."""
         s, n = self.scheduler, 0
+        total = sum(s.layout.blob_bytes(il) for il in range(self.cfg.n_layer)) * self.cfg.n_expert
         for il in range(self.cfg.n_layer):
             for f in [s.store.fetch(il, x) for x in range(self.cfg.n_expert)]:
                 n += (await asyncio.wrap_future(f)).nbytes
+            if progress is not None:
+                progress(n, total)
         return n
+
+    def preload_experts_sync(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """preload_experts() for scripts (runs the engine's own event loop)."""
+        return self._sync_loop().run_until_complete(self.preload_experts(progress))
 
     async def aclose(self) -> None:
         await self.scheduler.aclose()

@@ -61,6 +61,24 @@ def test_generate_default_model(tmp_path):
     assert r2.stdout == r.stdout
 
 
+def test_generate_preload(tiny_gguf, tmp_path):
+    """--preload reads every expert first (progress on stderr, ending at the experts' size); the text is the same
+    as without it (greedy)."""
+    import os
+    from strata.host.experts import ExpertLayout
+    from strata.model.loader import load_model
+    env = dict(os.environ, STRATA_CACHE=str(tmp_path / "cache"))
+    model = load_model(tiny_gguf)
+    layout = ExpertLayout.from_model(model)
+    total = sum(layout.blob_bytes(il) for il in range(model.cfg.n_layer)) * model.cfg.n_expert
+    r = run("generate", "-m", tiny_gguf, "Hello", "-n", "6", "--preload", "--experts", "host", env=env)
+    plain = run("generate", "-m", tiny_gguf, "Hello", "-n", "6", env=env)
+    assert r.returncode == 0 and plain.returncode == 0, r.stderr + plain.stderr
+    lines = [x for x in r.stderr.replace("\r", "\n").splitlines() if x.startswith("preloading experts")]
+    assert lines and lines[-1].endswith(f"{total / 2**30:.1f}/{total / 2**30:.1f} GiB")
+    assert r.stdout == plain.stdout
+
+
 def test_generate_bad_sampling(tmp_path):
     import os
     env = dict(os.environ, STRATA_CACHE=str(tmp_path / "cache"))
