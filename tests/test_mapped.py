@@ -11,7 +11,7 @@ import pytest
 
 from strata.engine import Engine
 from strata.host.backend import BackendError, CpuBackend
-from strata.host.experts import ExpertLayout
+from strata.host.experts import ExpertLayout, VramCache
 from strata.host.scheduler import MODE_RETRY, HostConfig, Scheduler
 from strata.host.trace import Tracer, format_summary, load, summarize
 from strata.model.loader import load_model
@@ -203,3 +203,19 @@ def test_cache_twin_protocol(realistic_gguf):
 def test_host_config_checks_map_experts():
     with pytest.raises(ValueError, match="map_experts"):
         HostConfig(map_experts="sometimes")
+
+
+def test_token_counts_equal_layer_records():
+    """count_token + touch_token (a mapped token's routes at once) leave the cache as record() layer by layer."""
+    rng = np.random.default_rng(3)
+    a, b = VramCache(40, 1 << 30), VramCache(40, 1 << 30)
+    for c in (a, b):
+        for i in range(40):
+            c.place(i % 4, (7 * i) % 16, 1, set())
+    ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(4)]).astype(np.int32)
+    res = rng.random((4, 4)) < 0.6
+    for il in range(4):
+        a.record(il, ids[il], res[il], np.ones(4, np.int64))
+    b.count_token(ids, res)
+    b.touch_token(ids, res)
+    assert list(a._lru) == list(b._lru) and dict(a.hits) == dict(b.hits) and dict(a.lookups) == dict(b.lookups)

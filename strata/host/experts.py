@@ -444,6 +444,20 @@ class VramCache:
                 if (layer, e) in self._lru:
                     self._lru.move_to_end((layer, e))
 
+    def count_token(self, ids: np.ndarray, resident: np.ndarray) -> None:
+        """record()'s counts for a one-row step's routes of every layer at once (ids, resident: (n_layer, k))."""
+        k = ids.shape[1]
+        for il, h in enumerate(resident.sum(axis=1).tolist()):
+            self.lookups[il] += k
+            self.hits[il] += h
+
+    def touch_token(self, ids: np.ndarray, resident: np.ndarray) -> None:
+        """record()'s recency for those routes: every hit made most recently used."""
+        lru = self._lru
+        for key in zip(np.nonzero(resident)[0].tolist(), ids[resident].tolist()):
+            if key in lru:
+                lru.move_to_end(key)
+
     def place(self, layer: int, expert: int, nbytes: int, keep: set[int], evict: bool = True) -> int | None:
         """A slot for expert (layer, expert), evicting least recently used ones; None when nothing may go
         (every candidate is one of this layer's routed experts `keep`, or the expert exceeds the budget).

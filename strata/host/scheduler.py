@@ -824,6 +824,7 @@ class Scheduler:
             if not self._mapped:
                 return False
             self._blobs = blobs
+            self._blob_bytes = [self.layout.blob_bytes(il) for il in range(self.cfg.n_layer)]
         if self.host.map_experts == "always":
             return True
         return self._cheaper(1, "mapped", "split") == "mapped"
@@ -858,22 +859,20 @@ class Scheduler:
                 st.span("promote", -1, t0, clock())
         logits = await self._forward_whole(step, reads, st, promote)
         ids, res = be.token_routes()
-        self._map_routes = (ids, res)
-        ones = np.ones(ids.shape[1], np.int64)
-        for il in range(cfg.n_layer):
-            hit = res[il]
-            self.cache.record(il, ids[il], hit, ones)
-            n_hit = int(hit.sum())
-            miss = ids.shape[1] - n_hit
-            st.layer_experts(il, ids.shape[1], n_hit, 0, 0, 0, 0, miss, 0)
-            st.mapped_read(miss, miss * self.layout.blob_bytes(il))
+        self._map_routes = (ids, res)                  # the LRU's recency is updated with the promotions
+        self.cache.count_token(ids, res)
+        k = ids.shape[1]
+        hits = res.sum(axis=1).tolist()
+        st.experts.extend((il, k, h, 0, 0, 0, 0, k - h, 0) for il, h in enumerate(hits))
+        st.mapped_read(cfg.n_layer * k - sum(hits), sum((k - h) * self._blob_bytes[il] for il, h in enumerate(hits)))
         self._observe(1, "mapped", clock() - t_begin)
         return logits
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
-        """A mapped token's misses into the VRAM cache (LRU), each copied from its pinned blob on the side stream;
-        the layer's other routed experts are not evicted for them."""
+        """A mapped token's misses into the VRAM cache (LRU, its hits made most recently used first), each copied
+        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them."""
         be, cache = self.backend, self.cache
+        cache.touch_token(ids, res)
         for il in range(ids.shape[0]):
             miss = ids[il][~res[il]]
             if not miss.size:
