@@ -32,8 +32,8 @@ GPU configurations (strata: HostConfig.experts):
               a warm-up request that fills the cache first; llama.cpp: -ngl 99 with --n-cpu-moe N (the experts of
               the first N layers in host memory), N from a sweep (--ncmoe), the fastest whose device memory stayed
               within 24 GiB
-Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens) on both backends: on the GPU a step of more
-than one row runs the batched path (strata.cuda.batch). --skip-strata names the measurements not run for it.
+Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens; --step-tokens on the GPU) on both backends:
+on the GPU a step of more than one row runs the batched path (strata.cuda.batch). --skip-strata names the measurements not run for it.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ KEY = {"decode": "decode_ms", "prefill": "prefill_tok_s", "streams": "agg_tok_s"
 # ---- the two engines, each in a child process ------------------------------------------------------------------
 def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
                  preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
-                 stream_experts: str = "auto", map_experts: str = "auto") -> dict:
+                 stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int = 512) -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
@@ -112,7 +112,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024
         eng = await Engine.open(model, backend=backend, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
-            stream_experts=stream_experts, map_experts=map_experts,
+            stream_experts=stream_experts, map_experts=map_experts, step_tokens=step_tokens,
             prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
         cfg = eng.cfg
         if preload:
@@ -380,6 +380,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--llama-bench", help="GPU configurations: llama.cpp's llama-bench binary built for CUDA")
     p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
+    p.add_argument("--step-tokens", type=int, default=512,
+                   help="strata's HostConfig.step_tokens on the GPU configurations: rows a prompt step carries at most "
+                        "(under the 24 GiB budget a chunk's expert streaming is the same for any length, so longer "
+                        "chunks amortize it; their activations take cache slots: 3.6 GiB at 4096 rows for flash)")
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.map_experts (decode rows as one graph, misses read from host "
                         "memory)")
@@ -526,7 +530,7 @@ def strata_cells(a, model: str, jobs: list, ll: dict, budget: bool) -> None:
     skip = {x.strip() for x in a.skip_strata.split(",") if x.strip()}
     spec = dict(engine="strata", model=model, backend="cuda", n_decode=a.decode, vram_gib=24.0 if budget else 130.0,
                 experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2,
-                stream_experts=a.stream_experts, map_experts=a.map_experts)
+                stream_experts=a.stream_experts, map_experts=a.map_experts, step_tokens=a.step_tokens)
     mine = [(label, kind, n, 1 if kind == "decode" or n > 1024 else a.repeats)
             for label, kind, n in jobs if label not in skip]
     strata = strata_measure(spec, mine, a.timeout) if mine else {}
