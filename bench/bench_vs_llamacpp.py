@@ -33,7 +33,8 @@ GPU configurations (strata: HostConfig.experts):
               the first N layers in host memory), N from a sweep (--ncmoe), the fastest whose device memory stayed
               within 24 GiB
 Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens; --step-tokens on the GPU) on both backends:
-on the GPU a step of more than one row runs the batched path (strata.cuda.batch). --skip-strata names the measurements not run for it.
+on the GPU a step of more than one row runs the batched path (strata.cuda.batch). --skip-strata names the
+measurements not run for it.
 """
 
 from __future__ import annotations
