@@ -31,37 +31,17 @@ class Counting(CpuBackend):
         self.opened.append((self.step.T, layer))
 
 
-class StreamVramOnCpu(VramOnCpu):
-    """The CPU twin with a cache and stream buffers: resident experts come from the cache's slots, the other
-    resident ones from the stream (both computed from the bytes the host handed over)."""
+class StreamVramOnCpu(CpuBackend):
+    """The CPU twin with a cache and stream buffers (CpuBackend(stream=True, cache_slots=N)): resident experts come
+    from the cache's slot copies, the other ones from the stream (both computed from the bytes the host handed
+    over); `where` is its slot map."""
 
     def __init__(self, model, slots: int):
-        super().__init__(model, slots)
-        self.stream = True
+        super().__init__(model, stream=True, cache_slots=slots)
 
-    def stream_expert(self, layer, expert, gate, up, down, slot=None):
-        if slot is None:
-            return super().stream_expert(layer, expert, gate, up, down)
-        self.load_expert(layer, expert, slot, gate, up, down)     # a slot the policy freed: its expert goes
-
-    def launch_post(self, plan):
-        cached = super().resident(plan.layer, plan.experts)
-        if not (plan.resident & ~cached).any():
-            super().launch_post(plan)
-            self.posted = plan.layer
-            return
-        # streamed ones through CpuBackend's path, with the cached ones' parts filled from the slots first
-        s = self._stream[plan.layer % 2]
-        for u in np.flatnonzero(plan.resident & cached):
-            e = int(plan.experts[u])
-            _, g, up, d = self.slots[self.where[(plan.layer, e)]]
-            s[1].setdefault(e, _copy(g, up, d))
-        CpuBackend.launch_post(self, plan)
-
-
-def _copy(g, u, d):
-    from strata.host.backend import _Copy
-    return _Copy(g, u, d)
+    @property
+    def where(self) -> dict[tuple[int, int], int]:
+        return {o: i for i, o in enumerate(self._owner) if o is not None}
 
 
 @pytest.mark.asyncio
@@ -124,7 +104,8 @@ async def test_streamed_chunk_fills_free_cache_slots(realistic_gguf):
     real = CpuBackend.stream_expert
 
     def spy(self, layer, expert, gate, up, down, slot=None):
-        to_buffer.append(layer)
+        if slot is None:                                # through the stream buffer, not into a free cache slot
+            to_buffer.append(layer)
         real(self, layer, expert, gate, up, down, slot)
     sched = Scheduler(model, be, HostConfig(step_tokens=4, vram_budget_bytes=20 * blob, stream_experts="always"))
     try:
@@ -172,6 +153,57 @@ def test_stream_protocol_is_checked(realistic_gguf):
     be.free_seq(seq)
     be.free_seq(seq2)
     be.close()
+
+
+def test_streamed_post_protocol(realistic_gguf):
+    """launch_post_streamed: only for the layer whose pre is out and whose stream is closed, with every expert of the
+    layer in a cache slot or the stream; poll_route gives the route after it."""
+    model = load_model(realistic_gguf)
+    be = CpuBackend(model, stream=True)
+    seq = be.new_seq()
+    be.begin(Step((Segment(seq, (3, 17, 42), 0, "last"),)))
+    be.stream_open(0)
+    be.stream_expert(0, 0, *_views(be, 0, 0))
+    be.launch_pre(0)
+    with pytest.raises(BackendError, match="no closed stream"):
+        be.launch_post_streamed(0)
+    be.stream_close(0)
+    with pytest.raises(BackendError, match="in no cache slot and were not streamed"):
+        be.launch_post_streamed(0)                      # 1 of the layer's experts streamed
+    with pytest.raises(BackendError, match="pre\\[0\\] is the one launched"):
+        be.launch_post_streamed(1)
+    be.free_seq(seq)
+    be.close()
+
+
+@pytest.mark.asyncio
+async def test_streamed_post_goes_before_the_route(realistic_gguf):
+    """A streamed layer's post is launched as soon as its copies are enqueued, before the host reads its route
+    (the device never waits for the host's round trip); the logits stay exact."""
+    model = load_model(realistic_gguf)
+    calls: list[tuple[str, int]] = []
+
+    class Order(CpuBackend):
+        def launch_pre(self, layer):
+            calls.append(("pre", layer))
+            super().launch_pre(layer)
+
+        def launch_post_streamed(self, layer):
+            calls.append(("post", layer))
+            super().launch_post_streamed(layer)
+
+        def poll_route(self, layer):
+            r = super().poll_route(layer)
+            if r is not None:
+                calls.append(("route", layer))
+            return r
+    sched = Scheduler(model, Order(model, stream=True), HostConfig(step_tokens=8, stream_experts="always"))
+    try:
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:8])
+    finally:
+        await sched.aclose()
+    n = model.cfg.n_layer
+    assert calls == [(c, il) for il in range(n) for c in ("pre", "post", "route")]
 
 
 def _views(be, layer, expert):

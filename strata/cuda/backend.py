@@ -893,7 +893,7 @@ class CudaBackend:
     @_guarded
     def poll_route(self, layer: int) -> Route | None:
         seq = self._seq_of_step("poll_route")
-        self._check_seq(seq, "poll_route", "pre", "routed", layer=layer)
+        self._check_seq(seq, "poll_route", "pre", "routed", "streamed", layer=layer)
         if seq.phase == "routed":
             return seq.route
         want = (int(self.step[STEP_RING]) + layer) & 0xFFFFFFFF
@@ -908,7 +908,7 @@ class CudaBackend:
                                        f"{self.timeout:.0f}s (holds {self.db.value()}, expected {want})")
                 return None
         seq.route = Route(*self.db.payload(self.cur.T))
-        seq.phase = "routed"
+        seq.phase = "post" if seq.phase == "streamed" else "routed"
         return seq.route
 
     @property
@@ -1258,6 +1258,34 @@ class CudaBackend:
         if self.experts == "host":
             self._mark_needed = True                    # this post reads slots a later load may overwrite
         seq.phase = "post"
+
+    @_guarded
+    def launch_post_streamed(self, layer: int) -> None:
+        """post[layer] of a streamed step before its route is read: every expert of the layer is in the cache or
+        the layer's (closed) stream buffer, so the slot table needs no route and the device groups the rows itself;
+        poll_route(layer) then gives the route (pre[layer] rang before post[layer] ran, and pre[layer + 1], which
+        overwrites the doorbell, is launched only after it)."""
+        seq = self._seq_of_step("launch_post_streamed")
+        self._check_seq(seq, "launch_post_streamed", "pre", layer=layer)
+        s = self._stream[layer % 2] if self.n_stream else None
+        if self.cur.T < 2 or s is None or s["layer"] != layer or s["open"]:
+            raise BackendError(f"launch_post_streamed: layer {layer} has no closed stream in this step")
+        slot_of = self._slots[layer].copy()
+        for e, slot in s["slots"].items():
+            slot_of[e] = slot
+        lost = np.flatnonzero(slot_of < 0)
+        if lost.size:
+            raise BackendError(f"launch_post_streamed: experts {lost[:8].tolist()} of layer {layer} are in no cache "
+                               f"slot and were not streamed")
+        self._loads_before_post()
+        self.ev_m[layer].record(self.stream)             # post[layer] runs after its experts' copies
+        self.stream.wait(self.ev_s1[layer])
+        self.batch.stage_post(layer, slot_of)
+        self.batch.run("post", self.batch.bucket(self.cur.T), layer)
+        self._mark_needed = True
+        self.ev_post_done[layer % 2].record(self.stream)
+        self._posted = layer
+        seq.phase = "streamed"
 
     def _post_rows(self, seq: _Seq, plan: ExpertPlan) -> None:
         """post[plan.layer] of a batched step: in host mode the slot table of the layer's resident experts and

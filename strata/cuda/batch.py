@@ -382,15 +382,16 @@ class BatchPath:
             b.free()
         self._pinned = []
 
-    def stage_post(self, layer: int, slot_of: np.ndarray, parts: np.ndarray, mask: np.ndarray) -> None:
+    def stage_post(self, layer: int, slot_of: np.ndarray, parts: np.ndarray | None = None,
+                   mask: np.ndarray | None = None) -> None:
         """Host mode: the layer's slot table, and the host's parts (T, k, E) where mask (T, k) is false, copied
-        before post[layer]."""
+        before post[layer] (parts None: the device computes every routed expert)."""
         be = self.be
-        T, k, E = parts.shape
         self.slot_stage[:] = slot_of
         drv.memcpy_htod_async(self.slot_of.ptr, self.h_slot.ptr, self.h_slot.nbytes, be.stream,
                               "post[%d] slot table", layer)
-        if not mask.all():
+        if parts is not None and not mask.all():
+            T, k, E = parts.shape
             self.parts_stage[:T][~mask] = parts[~mask]
             drv.memcpy_htod_async(self.host_parts.ptr, self.h_parts.ptr, 4 * T * k * E, be.stream,
                                   "post[%d] host parts", layer)

@@ -239,6 +239,9 @@ class CpuBackend:
         self.layer = -1                           # the layer launched last
         self.routed = -1                          # the layer whose route the host has
         self.job: Future | None = None            # the stage launched last
+        self._pre_job: Future | None = None       # the last pre (poll_route's: a streamed post may follow it)
+        self._wb: Batch | None = None             # the worker's step and batch (set by its begin stage)
+        self._wstep: Step | None = None
         self.failed: BaseException | None = None  # a stage that raised: the step's later stages do not run
         self.layout = ExpertLayout.from_model(model)
         lw = model.weights.layers[0]
@@ -290,9 +293,12 @@ class CpuBackend:
         self.step, self.batch, self.ple_e = step, Batch.of(runs), None
         self.layer = self.routed = self.posted = -1
         self._stream, self._stream_log = {}, []
-        self._run(self._begin, self.batch, fresh=True)
+        self._run(self._begin, self.batch, step, fresh=True)
 
-    def _begin(self, batch: Batch) -> None:
+    def _begin(self, batch: Batch, step: Step) -> None:
+        # the worker's own step: stages of a step the host gave up on, still queued, finish with theirs (as a
+        # device stream runs a failed step's kernels before the next step's)
+        self._wb, self._wstep = batch, step
         self.pre, self.R = None, self.ref.embed(batch)
 
     def stage_ple(self, e: np.ndarray) -> None:
@@ -318,20 +324,21 @@ class CpuBackend:
     def in_flight(self) -> Future | None:
         return self.job
 
-    def _result(self):
-        if self.job is None or not self.job.done():
+    def _result(self, job: Future | None = None):
+        job = self.job if job is None else job
+        if job is None or not job.done():
             return None
         try:
-            return self.job.result()
+            return job.result()
         except Exception as e:       # a failing stage is a failing device
             raise BackendError(f"cpu stage failed: {e!r}") from e
 
     def _pre(self, layer: int, ple: np.ndarray | None) -> PreOut:
-        self.pre = self.ref.pre(self.batch, layer, self.R, ple)
+        self.pre = self.ref.pre(self._wb, layer, self.R, ple)
         return self.pre
 
     def _post(self, layer: int, parts: np.ndarray) -> None:
-        self.R = self.ref.post(self.batch, layer, self.pre, parts)
+        self.R = self.ref.post(self._wb, layer, self.pre, parts)
 
     def _post_mapped(self, layer: int) -> None:
         self._post(layer, self.ref.experts(layer, self.pre.x, self.pre.ids))
@@ -344,11 +351,12 @@ class CpuBackend:
             raise BackendError(f"pre[{layer}] launched before the step's PLE vectors were staged")
         self.layer = layer
         self._run(self._pre, layer, ple)
+        self._pre_job = self.job
 
     def poll_route(self, layer: int) -> Route | None:
         if layer != self.layer:
             raise BackendError(f"poll_route({layer}): pre[{self.layer}] is the one launched")
-        p = self._result()
+        p = self._result(self._pre_job)
         if p is None:
             return None
         self.routed = layer
@@ -423,8 +431,8 @@ class CpuBackend:
                             self.exact, max_threads())
             self._post(il, out[None])
         self._routes = (ids_all, eff[np.arange(cfg.n_layer)[:, None], ids_all])
-        logits = self.ref.head(self.batch, self.R, self.step.logit_rows.tolist())
-        self.ref.finish(self.batch)
+        logits = self.ref.head(self._wb, self.R, self._wstep.logit_rows.tolist())
+        self.ref.finish(self._wb)
         return logits
 
     def token_routes(self) -> tuple[np.ndarray, np.ndarray]:
@@ -452,13 +460,17 @@ class CpuBackend:
 
     def stream_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                       slot: int | None = None) -> None:
-        if slot is not None:
-            raise BackendError("stream_expert: the cpu backend has no expert cache")
         s = self._stream.get(layer % 2)
         if s is None or s[0] != layer or not s[2]:
             raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
         if not 0 <= expert < self.cfg.n_expert or expert in s[1]:
             raise BackendError(f"stream_expert: expert {expert} of layer {layer} (out of range or streamed twice)")
+        if self.n_slots and self._slots[layer, expert] >= 0:
+            raise BackendError(f"stream_expert: expert {expert} of layer {layer} is in the cache; a step streams "
+                               f"only what its layers lack")
+        if slot is not None:                      # a free cache slot takes it (the same copy, as on the GPU)
+            self.load_expert(layer, expert, slot, gate, up, down)
+            return
         s[1][expert] = _Copy(gate, up, down)
 
     def stream_close(self, layer: int) -> None:
@@ -505,6 +517,32 @@ class CpuBackend:
             self._run(self._post, plan.layer, plan.parts)
         self.posted = plan.layer
 
+    def launch_post_streamed(self, layer: int) -> None:
+        """post[layer] of a streamed step before the host has its route (CudaBackend's): every expert is in a
+        cache slot or the layer's closed stream; the worker groups pre's routes itself. poll_route(layer) after."""
+        if layer != self.layer or self.routed != layer - 1:
+            raise BackendError(f"launch_post_streamed({layer}): pre[{self.layer}] is the one launched, the route of "
+                               f"layer {self.routed} the last read")
+        s = self._stream.get(layer % 2)
+        if s is None or s[0] != layer or s[2]:
+            raise BackendError(f"launch_post_streamed: layer {layer} has no closed stream in this step")
+        have = dict(s[1])
+        for e in range(self.cfg.n_expert):
+            slot = self._slots[layer, e] if self.n_slots else -1
+            if e not in have and slot >= 0:
+                have[e] = self._slot_copy[slot]
+        lost = [e for e in range(self.cfg.n_expert) if e not in have]
+        if lost:
+            raise BackendError(f"launch_post_streamed: experts {lost[:8]} of layer {layer} are in no cache slot and "
+                               f"were not streamed")
+
+        def post():
+            plan = ExpertPlan.of(layer, self.pre.ids, self.cfg.n_embd)
+            plan.resident[:] = True
+            self._post_streamed(plan, have)
+        self._run(post)
+        self.posted = layer
+
     def _post_streamed(self, plan: ExpertPlan, streamed: dict) -> None:
         """post with the streamed experts' outputs computed here, over their rows, the CPU pool's way."""
         us = np.flatnonzero(plan.resident)
@@ -521,8 +559,8 @@ class CpuBackend:
 
     def launch_head(self) -> None:
         def head():
-            logits = self.ref.head(self.batch, self.R, self.step.logit_rows.tolist())
-            self.ref.finish(self.batch)
+            logits = self.ref.head(self._wb, self.R, self._wstep.logit_rows.tolist())
+            self.ref.finish(self._wb)
             return logits
         if self.routed != self.cfg.n_layer - 1:
             raise BackendError(f"launch_head after layer {self.routed}")

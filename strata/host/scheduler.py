@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
+from strata.reference.moe import group_by_expert
 from strata.host.direct_io import rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PleReader
@@ -683,15 +684,19 @@ class Scheduler:
                     if il + STREAM_AHEAD < n:
                         fetches[il + STREAM_AHEAD] = self._stream_fetch(il + STREAM_AHEAD)
                     tasks[il + 1] = asyncio.create_task(self._stream(il + 1, fetches.pop(il + 1), tasks[il], st))
+                if stream:    # post[il] needs its layer's copies enqueued, not its route: launched first
+                    got = await tasks.pop(il)
+                    t0 = clock()
+                    st.span("stream_wait", il, t1, t0)
+                    be.launch_post_streamed(il)
+                    t1 = clock()
+                    st.span("post_launch", il, t0, t1)
                 route = be.poll_route(il) or await self._poll(lambda: be.poll_route(il), "pre", il)
                 st.span("doorbell", il, t1, clock())
                 if stream:
-                    t0 = clock()
-                    got = await tasks.pop(il)
-                    st.span("stream_wait", il, t0, clock())
-                    plan = self._streamed_plan(il, route, got, st)
-                else:
-                    plan = await self._expert_plan(il, route, st)
+                    self._streamed_counts(il, route, got, st)
+                    continue
+                plan = await self._expert_plan(il, route, st)
                 t0 = clock()
                 be.launch_post(plan)
                 st.span("post_launch", il, t0, clock())
@@ -771,16 +776,15 @@ class Scheduler:
         n_ram = int(in_ram.sum())
         return len(experts), nbytes, n_ram, len(experts) - n_ram, experts
 
-    def _streamed_plan(self, il: int, route: Route, got: tuple, st: StepTrace) -> ExpertPlan:
-        """Every routed expert of layer il is the backend's: in its cache or streamed."""
+    def _streamed_counts(self, il: int, route: Route, got: tuple, st: StepTrace) -> None:
+        """A streamed layer's routes (read after its post was launched): the cache's hits (the routed experts that
+        were resident before this step's copies) and the trace's counts."""
         n, nbytes, n_ram, n_ssd, lacked = got
-        plan = ExpertPlan.of(il, route.ids, self.cfg.n_embd)
-        pairs = np.diff(plan.offsets)
-        hit = ~np.isin(plan.experts, lacked)           # resident before this step's copies
-        self.cache.record(il, plan.experts, hit, pairs)
-        plan.resident = np.ones(len(plan.experts), bool)
+        experts, offsets, _ = group_by_expert(route.ids)
+        pairs = np.diff(offsets)
+        hit = ~np.isin(experts, lacked)
+        self.cache.record(il, experts, hit, pairs)
         st.layer_experts(il, int(pairs.sum()), int(hit.sum()), 0, n, 0, nbytes, n_ram, n_ssd)
-        return plan
 
     async def _forward_whole(self, step: Step, reads, st: StepTrace, after_launch=None) -> np.ndarray:
         """Every expert resident in VRAM (CudaBackend experts="vram"), or a mapped decode row: the step is one
