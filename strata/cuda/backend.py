@@ -1288,41 +1288,30 @@ class CudaBackend:
         seq.phase = "streamed"
 
     def _post_rows(self, seq: _Seq, plan: ExpertPlan) -> None:
-        """post[plan.layer] of a batched step: in host mode the slot table of the layer's resident experts and
-        the host's parts of the others go first."""
+        """post[plan.layer] of a batched step that did not stream (split): in host mode the slot table of the
+        layer's resident experts and the host's parts of the others go first."""
         layer, cfg = plan.layer, self.cfg
         if self.experts == "vram":
             if not plan.resident.all():
                 raise BackendError("launch_post: experts='vram' computes every routed expert; the plan says the "
                                    "host computed some")
         else:
-            slot_of = np.full(cfg.n_expert, -1, I32)
             s = self._stream[layer % 2] if self.n_stream else None
-            s = s if s is not None and s["layer"] == layer else None
-            if s is not None and s["open"]:
-                raise BackendError(f"launch_post: layer {layer}'s stream is open (stream_close first)")
+            if s is not None and s["layer"] == layer:
+                raise BackendError(f"launch_post: layer {layer} streamed its experts in this step (its post is "
+                                   f"launch_post_streamed)")
+            slot_of = np.full(cfg.n_expert, -1, I32)
             res = plan.experts[plan.resident]
             slot_of[res] = self._slots[layer, res]
             lost = res[slot_of[res] < 0]
-            if lost.size:                               # not in the cache: streamed, or the plan is wrong
-                streamed = s["slots"] if s is not None else {}
-                for e in lost.tolist():
-                    slot = streamed.get(e)
-                    if slot is None:
-                        raise BackendError(f"launch_post: expert {e} of layer {layer} is marked resident but is "
-                                           f"in no cache slot and was not streamed")
-                    slot_of[e] = slot
+            if lost.size:
+                raise BackendError(f"launch_post: expert {int(lost[0])} of layer {layer} is marked resident but is "
+                                   f"in no cache slot")
             self._loads_before_post()
-            if s is not None:                           # post[layer] runs after its experts' copies
-                self.ev_m[layer].record(self.stream)
-                self.stream.wait(self.ev_s1[layer])
             self.batch.stage_post(layer, slot_of, plan.parts, plan.mask)
         self.batch.run("post", self.batch.bucket(self.cur.T), layer)
         if self.experts == "host":
             self._mark_needed = True
-            if self.n_stream:                           # the end of the last read of this layer's stream buffer
-                self.ev_post_done[layer % 2].record(self.stream)
-                self._posted = layer
         seq.phase = "post"
 
     @_guarded

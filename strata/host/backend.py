@@ -502,17 +502,15 @@ class CpuBackend:
             self._run(self._post_mapped, plan.layer)
         elif plan.resident.any():
             s = self._stream.get(plan.layer % 2)
-            streamed = s[1] if s is not None and s[0] == plan.layer and not s[2] else {}
-            have = dict(streamed)
-            for e in plan.experts[plan.resident].tolist():
-                slot = self._slots[plan.layer, e] if self.n_slots else -1
-                if e not in have and slot >= 0:
-                    have[e] = self._slot_copy[slot]
-            lost = [int(e) for e in plan.experts[plan.resident] if int(e) not in have]
+            if s is not None and s[0] == plan.layer:
+                raise BackendError(f"launch_post: layer {plan.layer} streamed its experts in this step (its post is "
+                                   f"launch_post_streamed)")
+            res = plan.experts[plan.resident]
+            lost = [int(e) for e in res if not self.n_slots or self._slots[plan.layer, e] < 0]
             if lost:
                 raise BackendError(f"launch_post: experts {lost} of layer {plan.layer} are marked resident but "
-                                   f"are in no cache slot and were not streamed")
-            self._run(self._post_streamed, plan, have)
+                                   f"are in no cache slot")
+            self._run(self._post_copies, plan, {int(e): self._slot_copy[self._slots[plan.layer, e]] for e in res})
         else:
             self._run(self._post, plan.layer, plan.parts)
         self.posted = plan.layer
@@ -539,12 +537,13 @@ class CpuBackend:
         def post():
             plan = ExpertPlan.of(layer, self.pre.ids, self.cfg.n_embd)
             plan.resident[:] = True
-            self._post_streamed(plan, have)
+            self._post_copies(plan, have)
         self._run(post)
         self.posted = layer
 
-    def _post_streamed(self, plan: ExpertPlan, streamed: dict) -> None:
-        """post with the streamed experts' outputs computed here, over their rows, the CPU pool's way."""
+    def _post_copies(self, plan: ExpertPlan, streamed: dict) -> None:
+        """post with the resident experts' outputs computed here from their copies (cache slots or the layer's
+        stream: streamed[expert]), over their rows, the CPU pool's way."""
         us = np.flatnonzero(plan.resident)
         o = plan.offsets
         sel = np.concatenate([plan.pairs[o[u]:o[u + 1]] for u in us])
