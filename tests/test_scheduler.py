@@ -270,6 +270,33 @@ async def test_prompt_reads_run_ahead(tiny_gguf):
 
 
 @pytest.mark.asyncio
+async def test_decode_reads_run_ahead(tiny_gguf):
+    """A decode row's PLE rows start reading as soon as its token is sampled, before the step that sampled it ends
+    (its trace is emitted); the last token, which needs no next row, starts none."""
+    from strata.sampling import SamplingParams
+    model = load_model(tiny_gguf)
+    sched = Scheduler(model, CpuBackend(model), HostConfig(step_tokens=4))
+    log = []
+    ple, tracer = sched.ple, sched.tracer
+    real_start, real_emit = ple.start, tracer.emit
+    ple.start = lambda rows: (log.append("read"), real_start(rows))[1]
+    tracer.emit = lambda st: (log.append("end"), real_emit(st))[1]
+    try:
+        req = sched.submit([3, 17, 42], SamplingParams(max_tokens=4, stop_at_eos=False))
+        got = []
+        while True:
+            ev = await req.next()
+            if getattr(ev, "token", None) is not None:
+                got.append(ev.token)
+            if type(ev).__name__ == "Finished":
+                break
+    finally:
+        await sched.aclose()
+    assert len(got) == 4
+    assert log == ["read", "read", "end", "read", "end", "read", "end", "end"], log
+
+
+@pytest.mark.asyncio
 async def test_requests_leave_no_state(tiny_sched):
     for n in (1, 3):
         await tiny_sched.score(TOKENS[:n])

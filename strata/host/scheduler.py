@@ -614,7 +614,11 @@ class Scheduler:
         self._deliver(req, TokenOut(tok, req.generated, None, req.timings(), req.sampler.logprobs))
         req.generated += 1
         req.next_token = tok
-        return "length" if req.generated >= req.max_tokens else None
+        if req.generated >= req.max_tokens:
+            return "length"
+        if self.ple is not None:       # the next row's PLE rows start reading now, before this step's bookkeeping
+            req.ple_ahead = (req.pos, _PleRead.start(self.ple, ple_rows(self.cfg, [tok], req.window)))
+        return None
 
     def _ple_reads(self, plan) -> list[tuple[_PleRead, int]] | None:
         """Each segment's PLE rows in flight as (read, first token of it in the read); a prompt whose next chunk
