@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
-from strata.reference.moe import group_by_expert
 from strata.host.direct_io import rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PleReader
@@ -38,6 +37,7 @@ from strata.diagnose import first_nonfinite
 from strata.host.trace import KINDS, StepTrace, Tracer, clock
 from strata.model.loader import Model
 from strata.reference.common import F32
+from strata.reference.moe import group_by_expert
 from strata.reference.ple import NgramWindow, ple_rows
 from strata.sampling import Sampler, SamplingParams, TokenLogprobs
 
