@@ -299,7 +299,7 @@ def _engine_options(g) -> None:
                         "all, decode rows run as mapped tokens (see --map-experts)")
     g.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="experts in host memory, a decode row, every expert held in RAM (--host-budget-gib large "
-                        "enough; they are read as routed, or all first by the benches' preload): run the token as one "
+                        "enough; they are read as routed, or all first with --preload): run the token as one "
                         "graph whose kernels read the VRAM cache's experts in place and the misses from pinned host "
                         "memory over PCIe (misses are promoted into the cache while the next token runs), instead of "
                         "a host round trip per layer; auto: by each mode's measured time per token")
