@@ -35,40 +35,16 @@ def realistic_gguf(tmp_path_factory):
 
 
 class VramOnCpu(CpuBackend):
-    """The CPU backend with an expert cache: uploaded blobs are computed here from the uploaded bytes, as a GPU
-    computes its hits, so a wrong slice or slot changes the logits."""
+    """The CPU backend with an expert cache (CpuBackend's twin of the VRAM cache, cache_slots): uploaded blobs are
+    computed from the uploaded bytes, as a GPU computes its hits, so a wrong slice or slot changes the logits;
+    `where` is its slot map."""
 
-    def __init__(self, model, slots: int):
-        super().__init__(model)
-        self.slots: list = [None] * slots
-        self.where: dict[tuple[int, int], int] = {}
+    def __init__(self, model, slots: int, stream: bool = False):
+        super().__init__(model, stream=stream, cache_slots=slots)
 
-    def expert_slots(self) -> int:
-        return len(self.slots)
-
-    def resident(self, layer, experts):
-        return np.array([(layer, int(e)) in self.where for e in experts], bool)
-
-    def load_expert(self, layer, expert, slot, gate, up, down):
-        if self.slots[slot] is not None:
-            del self.where[self.slots[slot][0]]
-        self.slots[slot] = ((layer, expert), gate.copy(), up.copy(), down.copy())
-        self.where[(layer, expert)] = slot
-
-    def launch_post(self, plan):
-        self.check_plan(plan)
-        parts = plan.parts.copy()
-        flat = parts.reshape(-1, parts.shape[-1])
-        k = parts.shape[1]
-        lw = self.ref.w.layers[plan.layer]
-        for u in np.flatnonzero(plan.resident):
-            e = int(plan.experts[u])
-            _, *raws = self.slots[self.where[(plan.layer, e)]]
-            mats = [Mat(m.name, m.qtype, raw.view(np.float32) if m.qtype == QType.F32 else raw, m.n_out, m.n_in,
-                        1, m.exact) for m, raw in zip(lw.expert(e), raws)]
-            p = plan.pairs[plan.offsets[u]:plan.offsets[u + 1]]
-            flat[p] = expert_ffn(*mats, self.pre.x[p // k])
-        self._run(self._post, plan.layer, parts)
+    @property
+    def where(self) -> dict[tuple[int, int], int]:
+        return {o: i for i, o in enumerate(self._owner) if o is not None}
 
 
 class CellsOnCpu(VramOnCpu):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from strata.engine import Engine
@@ -31,17 +30,12 @@ class Counting(CpuBackend):
         self.opened.append((self.step.T, layer))
 
 
-class StreamVramOnCpu(CpuBackend):
-    """The CPU twin with a cache and stream buffers (CpuBackend(stream=True, cache_slots=N)): resident experts come
-    from the cache's slot copies, the other ones from the stream (both computed from the bytes the host handed
-    over); `where` is its slot map."""
+class StreamVramOnCpu(VramOnCpu):
+    """The CPU twin with a cache and stream buffers: resident experts come from the cache's slot copies, the other
+    ones from the stream (both computed from the bytes the host handed over)."""
 
     def __init__(self, model, slots: int):
-        super().__init__(model, stream=True, cache_slots=slots)
-
-    @property
-    def where(self) -> dict[tuple[int, int], int]:
-        return {o: i for i, o in enumerate(self._owner) if o is not None}
+        super().__init__(model, slots, stream=True)
 
 
 @pytest.mark.asyncio

@@ -225,7 +225,6 @@ class CpuBackend:
         if cache_slots and experts != "host":
             raise ValueError("CpuBackend cache_slots: the cache twin is for experts='host'")
         self.experts = experts
-        self.graphs = True                        # launch_whole: the CPU twin of a captured mapped token
         self.cfg = model.cfg
         self.ref = RefModel(model.weights)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-device")

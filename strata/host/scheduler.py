@@ -886,8 +886,7 @@ class Scheduler:
             if not miss.size:
                 continue
             lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
-            keep = set(ids[il].tolist())
-            nbytes = self.layout.blob_bytes(il)
+            keep, nbytes = set(ids[il].tolist()), self._blob_bytes[il]
             for e in lack.tolist():
                 slot = cache.place(il, e, nbytes, keep)
                 if slot is None:
