@@ -172,7 +172,7 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be._eff = np.zeros((n_layer, n_exp), bool)
     be.ptab = np.zeros((n_layer, n_exp, 3), np.uint64)
     be.h_ptab, be.b_ptab = SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 30)
-    be.ev_ptab, be._ptab_sent = FakeEvent(), False
+    be.ev_ptab = FakeEvent()
     be._host_addr = (np.arange(n_layer * n_exp * 3, dtype=np.uint64).reshape(n_layer, n_exp, 3) + 1) << np.uint64(8)
     at = np.array([0, be.slot_parts[0], be.slot_parts[0] + be.slot_parts[1]], np.uint64)
     be._slot_addr = np.uint64(be.slot_buf.ptr) + np.arange(n_slots, dtype=np.uint64)[:, None] * np.uint64(

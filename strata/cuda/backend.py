@@ -501,7 +501,6 @@ class CudaBackend:
                 self.h_ids_all = drv.HostBuffer(self.b_ids_all.nbytes, what="mapped token routes")
                 self.ids_all = self.h_ids_all.array(I32, self.b_ids_all.shape)
                 self.ev_ptab = drv.Event()
-                self._ptab_sent = False
 
     def _measure_h2d(self) -> float:
         """Bytes a second of a copy from pinned memory into the expert slots (the best of three 64 MiB copies;
@@ -1062,8 +1061,8 @@ class CudaBackend:
         sl = np.maximum(s, 0)
         if self._pend_turns:
             res &= self._pend_slot[sl] < 0
-        if self._ptab_sent:
-            self.ev_ptab.synchronize("expert address table")      # the last copy of the staging is done
+        self.ev_ptab.synchronize("expert address table")          # the last copy of the staging is done (an
+                                                                  # event never recorded returns at once)
         self._eff[ls, es] = res
         self.ptab[ls, es] = np.where(res[:, None], self._slot_addr[sl], self._host_addr[ls, es])
         lo, hi = int(ls.min()), int(ls.max()) + 1
@@ -1071,7 +1070,6 @@ class CudaBackend:
         drv.memcpy_htod_async(self.b_ptab.ptr + rb * lo, self.h_ptab.ptr + rb * lo, rb * (hi - lo), self.stream,
                               "expert address table")
         self.ev_ptab.record(self.stream)
-        self._ptab_sent = True
 
     def token_routes(self) -> tuple[np.ndarray, np.ndarray]:
         """After a mapped token's logits: each layer's routed experts (n_layer, k) and which of them the token read
