@@ -154,8 +154,21 @@ GEMV_CASES = [   # (label, type, n_out, n_in, kind): kind gemv | glu | experts
 ]
 
 
-def phase_gemv() -> None:
-    """Per-launch time and GB/s of the GEMV kernels at the flash shapes (see the module docstring)."""
+def sweep_geoms(n_out: int, tile_row_bytes: int):
+    """Every GEMV geometry whose tile fits the kernel's shared memory (48 KB without the opt-in)."""
+    from strata.kernels.gemv import CTA_THREADS, Geom, tile_smem
+    tpg = 4
+    while tpg <= CTA_THREADS:
+        for rr in (1, 2, 4):
+            g = Geom(tpg, rr, CTA_THREADS)
+            if tile_smem(min(g.rows, n_out) * tile_row_bytes) <= 48 * 1024:
+                yield g
+        tpg *= 2
+
+
+def phase_gemv(sweep: bool = False) -> None:
+    """Per-launch time and GB/s of the GEMV kernels at the flash shapes (see the module docstring); with `sweep`,
+    every geometry of each dense matrix as well, next to the time model's pick."""
     from types import SimpleNamespace
 
     from strata.cuda import driver as drv
@@ -171,8 +184,27 @@ def phase_gemv() -> None:
     K = Kernels(dev.arch)
     stream = drv.Stream()
     rng = np.random.default_rng(1)
-    rows_out = []
+    rows_out, sweep_rows = [], []
     say(pdl_status())
+
+    def launch_us(label, launches) -> float:
+        """Median ms per launch of a captured graph of back-to-back launches (15 replays after a warm-up)."""
+        reps = max(1, 24 // len(launches))
+        graph = Graph(f"gemv bench {label}", stream, lambda: [l.enqueue(stream) for _ in range(reps) for l in launches])
+        e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
+        graph.launch(stream)
+        stream.synchronize("warm-up")
+        times = []
+        for _ in range(15):
+            e0.record(stream)
+            graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize("gemv bench")
+            times.append(e1.elapsed_ms(e0) / (reps * len(launches)))
+        graph.destroy()
+        e0.destroy()
+        e1.destroy()
+        return float(np.median(times))
     for label, tname, n_out, n_in, kind in GEMV_CASES:
         qt = QType[tname]
         rb = device_row_bytes(qt, n_in)
@@ -223,39 +255,33 @@ def phase_gemv() -> None:
                 drv.memcpy_htod_async(W.ptr + off, one.ctypes.data, nb, stream, "w")
                 stream.synchronize("upload")
             x.upload(rng.standard_normal(n_in).astype(np.float32))
-            launches = []
             m = DevMat(W, int(qt), n_out, n_in, rb, copies * halves)
             # a GLU partner: the matrix after w in the same buffer (mat i * 2 + 1)
             w2 = None if halves == 1 else DevMat(W.view("w2", mat_bytes, ((copies * 2 - 1) * mat_bytes,), np.uint8),
                                                  int(qt), n_out, n_in, rb, copies * 2 - 1)
-            for i in range(copies):
-                launches.append(kgemv.gemv_launch(K.fn("gemv", "gemv_jobs"), label, tables[i],
-                                                  [Job(m, x, y, w2=w2, mat=i * halves)]))
+
+            def gemv_launches(geom=None):
+                return [kgemv.gemv_launch(K.fn("gemv", "gemv_jobs"), label, tables[i],
+                                          [Job(m, x, y, w2=w2, mat=i * halves)], geom) for i in range(copies)]
+            launches = gemv_launches()
             per_launch_bytes = mat_bytes * halves
-        reps = max(1, 24 // len(launches))
-        graph = Graph(f"gemv bench {label}", stream, lambda: [l.enqueue(stream) for _ in range(reps) for l in launches])
-        e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
-        graph.launch(stream)
-        stream.synchronize("warm-up")
-        times = []
-        for _ in range(15):
-            e0.record(stream)
-            graph.launch(stream)
-            e1.record(stream)
-            e1.synchronize("gemv bench")
-            times.append(e1.elapsed_ms(e0) / (reps * len(launches)))
-        t = float(np.median(times))
+            if sweep:
+                picked = kgemv.geometry(qt, n_in, n_out, rb, halves=halves)
+                for geom in sweep_geoms(n_out, rb * halves):
+                    us = launch_us(f"{label} sweep", gemv_launches(geom)) * 1e3
+                    sweep_rows.append({"label": label, "tpg": geom.tpg, "rr": geom.rr, "us": us,
+                                       "gbps": per_launch_bytes / (us * 1e-6) / 1e9, "picked": geom == picked})
+                    say(f"  sweep {label} tpg {geom.tpg:3d} rr {geom.rr}: {us:7.1f} us"
+                        + (" (the time model's pick)" if geom == picked else ""))
+        t = launch_us(label, launches)
         ctas = launches[0].grid[0] * launches[0].grid[1]
         rows_out.append({"label": label, "type": tname, "shape": f"{n_out}x{n_in}" + (" x10" if kind == "experts" else ""),
                          "mb": per_launch_bytes / 1e6, "us": t * 1e3, "gbps": per_launch_bytes / (t * 1e-3) / 1e9,
                          "ctas": ctas, "smem": launches[0].smem})
         say(f"gemv {label}: {rows_out[-1]['us']:.1f} us, {rows_out[-1]['gbps']:.0f} GB/s")
-        graph.destroy()
-        e0.destroy()
-        e1.destroy()
         A.free()
     stream.destroy()
-    RESULTS["gemv"] = {"rows": rows_out, "pdl": pdl_status()}
+    RESULTS["gemv"] = {"rows": rows_out, "pdl": pdl_status(), "sweep": sweep_rows}
 
 
 def phase_bench(long_ctx: int) -> None:
@@ -347,6 +373,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
     ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, model, bench")
+    ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     a = ap.parse_args()
     os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
@@ -360,7 +387,7 @@ def main() -> None:
             elif p == "tests":
                 phase_tests(["tests/test_cuda_kernels.py", "tests/test_cuda_backend.py"])
             elif p == "gemv":
-                phase_gemv()
+                phase_gemv(a.sweep)
             elif p == "model":
                 phase_model()
             elif p == "bench":

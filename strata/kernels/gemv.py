@@ -132,8 +132,9 @@ def _check_mat(m: DevMat, what: str) -> None:
                          f"{device_row_bytes(QType(m.qtype), m.n_in)}")
 
 
-def gemv_plan(jobs: list[Job], name: str = "gemv") -> tuple[np.ndarray, int, int]:
-    """(job rows, CTAs, dynamic shared bytes) of a launch: the table's contents with addresses filled."""
+def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> tuple[np.ndarray, int, int]:
+    """(job rows, CTAs, dynamic shared bytes) of a launch: the table's contents with addresses filled. `geom`
+    replaces the time model's pick for every job (bench/gpu_check.py's geometry sweep)."""
     rows = np.zeros(len(jobs), JOB_DTYPE)
     cta, smem = 0, 0
     for i, j in enumerate(jobs):
@@ -157,7 +158,7 @@ def gemv_plan(jobs: list[Job], name: str = "gemv") -> tuple[np.ndarray, int, int
             rb2 = j.w2.row_bytes
         qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) \
             else j.w2.qtype
-        g = geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1)
+        g = geom or geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1)
         r["cta0"], r["geom"] = cta, g.word
         nrows = min(g.rows, j.w.n_out)
         smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))
@@ -174,9 +175,9 @@ def tile_smem(*range_bytes: int) -> int:
     return total + 16
 
 
-def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job]) -> Launch:
+def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job], geom: Geom | None = None) -> Launch:
     """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job."""
-    rows, cta, smem = gemv_plan(jobs, name)
+    rows, cta, smem = gemv_plan(jobs, name, geom)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 64} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
