@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.engine import Engine, HostConfig  # noqa: E402  (after the path line: runs from a checkout)
@@ -73,10 +75,12 @@ async def run(a: argparse.Namespace, trace: str) -> None:
         async for c in e.generate(a.prompt, SamplingParams(max_tokens=a.tokens, stop_at_eos=False)):
             times.append(time.perf_counter())
         hits, looks = sum(s.cache.hits.values()) - hits0, sum(s.cache.lookups.values()) - looks0
-    dec = (times[-2] - times[0]) / (len(times) - 2)       # between generated tokens (the last chunk is the finish)
+    gaps = np.diff(times[:-1])                 # between generated tokens (the last chunk is the finish)
+    dec = float(np.median(gaps))
     t = c.timings
     print(f"prefill: {c.prompt_tokens} tokens, {t.prefill_tok_s:.1f} tok/s")
-    print(f"decode: {a.tokens} tokens, {dec * 1e3:.3f} ms/token, {1 / dec:.2f} tok/s")
+    print(f"decode: {a.tokens} tokens, {dec * 1e3:.3f} ms/token median ({1 / dec:.2f} tok/s), mean "
+          f"{gaps.mean() * 1e3:.3f}")
     print(f"VRAM expert cache: hit rate {hits / looks if looks else 0:.1%} in the measured request "
           f"({hits}/{looks}), {s.cache.uploads} uploads in all, {len(s.cache)} experts resident "
           f"({s.cache.bytes / GIB:.2f} GiB)")

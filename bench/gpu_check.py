@@ -263,7 +263,6 @@ def phase_gemv(sweep: bool = False) -> None:
             def gemv_launches(geom=None):
                 return [kgemv.gemv_launch(K.fn("gemv", "gemv_jobs"), label, tables[i],
                                           [Job(m, x, y, w2=w2, mat=i * halves)], geom) for i in range(copies)]
-            launches = gemv_launches()
             per_launch_bytes = mat_bytes * halves
             if sweep:
                 picked = kgemv.geometry(qt, n_in, n_out, rb, halves=halves)
@@ -273,6 +272,7 @@ def phase_gemv(sweep: bool = False) -> None:
                                        "gbps": per_launch_bytes / (us * 1e-6) / 1e9, "picked": geom == picked})
                     say(f"  sweep {label} tpg {geom.tpg:3d} rr {geom.rr}: {us:7.1f} us"
                         + (" (the time model's pick)" if geom == picked else ""))
+            launches = gemv_launches()      # after the sweep: the tables hold the time model's geometry again
         t = launch_us(label, launches)
         ctas = launches[0].grid[0] * launches[0].grid[1]
         rows_out.append({"label": label, "type": tname, "shape": f"{n_out}x{n_in}" + (" x10" if kind == "experts" else ""),

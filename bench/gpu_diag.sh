@@ -15,13 +15,12 @@ if [ ! -f $model ]; then
         > "$out/make_model.log" 2>&1 &
 fi
 python3 -m pytest -q -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
-python3 bench/gpu_check.py --phases gemv --sweep > "$out/gemv_sweep.log" 2>&1
+OUT= python3 bench/gpu_check.py --phases gemv --sweep > "$out/gemv_sweep.log" 2>&1
 tail -14 "$out/gemv_sweep.log"
 wait
 tail -2 "$out/make_model.log" 2>/dev/null
 for budget in 24 139; do
     python3 bench/bench_host.py --model $model --backend cuda --vram-budget-gib $budget --tokens "$tokens" \
         --warmup 48 --preload --trace "$out/trace$budget.jsonl" 2>&1 | tee "$out/host$budget.log"
-    python3 cli.py trace "$out/trace$budget.jsonl" 2>&1 | tee "$out/trace$budget.txt"
 done
 python3 bench/bench_stream.py --model $model --tokens 4096 2>&1 | tee "$out/stream.log"

@@ -199,6 +199,38 @@ def test_gemv_formats(rig, qt, blocks):
     assert kgemv.warps_per_row(qt, n_long) > 1
 
 
+GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("qt", sorted(kgemv.KERNEL_TYPES), ids=lambda q: QType(q).name)
+def test_gemv_every_geometry(rig, qt):
+    """Every tile geometry computes the same product: the time model's pick (fitted to timings) is then a question
+    of speed only. A GLU pair too, since a pair's tile holds both matrices."""
+    rng = np.random.default_rng(int(qt) + 101)
+    qk = kgemv.BLOCKS[qt][0]
+    n_in = 8 * 40 + 5 if qt in kgemv.FLOAT_TYPES else qk * max(3, 768 // qk)
+    n_out = 45                                            # not a multiple of any tile's rows
+    raw, raw2 = random_matrix(qt, n_out, n_in, rng), random_matrix(qt, n_out, n_in, rng)
+    x = rng.standard_normal(n_in).astype(F32)
+    w, w2 = rig.mat("w", raw, qt, n_out, n_in), rig.mat("w2", raw2, qt, n_out, n_in)
+    xb, y = rig.buf("x", (n_in,), value=x), rig.buf("y", (n_out,))
+    table = kgemv.job_table("jobs", 1, rig.A.reserve)
+    rig.commit()
+    W, W2 = (dequantize(r, qt).reshape(n_out, n_in).astype(np.float64) for r in (raw, raw2))
+    a, b = W @ x.astype(np.float64), W2 @ x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        glu = a / (1 + np.exp(-a)) * b
+    for g in GEOMS:
+        for pair, ref in ((None, a), (w2, glu)):
+            tile = [min(g.rows, n_out) * w.row_bytes] * (1 if pair is None else 2)
+            if kgemv.tile_smem(*tile) > 48 * 1024:
+                continue
+            rig.poison(y)
+            rig.run(kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, [Job(w, xb, y, w2=pair)], g))
+            err = rel(y.download(), ref)
+            assert err <= TOL, f"{QType(qt).name} tpg {g.tpg} rr {g.rr}{' GLU' if pair else ''}: rel err {err:.2e}"
+
+
 def test_gemv_mixed_jobs_and_glu(rig):
     """One launch, four jobs of four types, one of them a GLU pair: y = silu(G x) * (U x)."""
     rng = np.random.default_rng(5)

@@ -838,7 +838,7 @@ class CudaBackend:
         """The step's PLE rows (T, ple_dim) after begin: any time before launch_pre of the PLE layer, whose graph
         copies them."""
         seq = self._seq_of_step("stage_ple")
-        self._check_seq(seq, "stage_ple", "begun", "pre", "routed", "post")
+        self._check_seq(seq, "stage_ple", "begun", "pre", "routed", "streamed", "post")
         if self.cfg.ple_layers and seq.layer >= self.cfg.ple_layers[0]:
             raise BackendError(f"stage_ple: layer {seq.layer} is already past the PLE layer {self.cfg.ple_layers[0]}")
         self._stage_ple(seq, np.asarray(e, F32).reshape(self.cur.T, -1), self.cur.T, "stage_ple")
@@ -1138,7 +1138,7 @@ class CudaBackend:
         """Layer `layer`'s stream buffer takes copies from now on: the side stream first waits for post[layer - 2]
         (its buffer's last reader; the step's begin for layers 0 and 1)."""
         seq = self._seq_of_step("stream_open")
-        self._check_seq(seq, "stream_open", "begun", "pre", "routed", "post")
+        self._check_seq(seq, "stream_open", "begun", "pre", "routed", "streamed", "post")
         if not self.n_stream:
             raise BackendError("stream_open: no stream buffers (experts='vram', one-row steps only, or a budget "
                                "without room for two layers' experts)")

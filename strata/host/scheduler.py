@@ -557,6 +557,7 @@ class Scheduler:
             logits = await self._forward(step, reads, st)
         t_s = clock()
         at = 0                                   # next row of logits
+        finished: list[tuple[Request, str]] = []
         for req, toks, mode in plan:
             n_logits = {"last": 1, "all": len(toks), "none": 0}[mode]
             rows, at = logits[at:at + n_logits], at + n_logits
@@ -580,11 +581,16 @@ class Scheduler:
                 continue
             self._account(req, st, t_s)
             if done:
-                if req.sampler is not None:
-                    self._keep_prefix(req)       # the conversation so far: the next turn starts with it
-                self._deliver(req, Finished(done, req.generated, req.timings()))
-                self._release(req)
-        st.span("sample", -1, t_s, clock())
+                finished.append((req, done))
+        t_f = clock()
+        st.span("sample", -1, t_s, t_f)
+        for req, done in finished:               # its own span: a snapshot of the state can take ~100 ms
+            if req.sampler is not None:
+                self._keep_prefix(req)           # the conversation so far: the next turn starts with it
+            self._deliver(req, Finished(done, req.generated, req.timings()))
+            self._release(req)
+        if finished:
+            st.span("finish", -1, t_f, clock())
         st.t1 = clock()
         self.tracer.emit(st)
         return st.t1

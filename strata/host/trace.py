@@ -59,9 +59,9 @@ _ORIGIN = time.perf_counter()
 DEVICE = ("pre_launch", "doorbell", "post_launch", "head_launch", "head_wait", "token_launch",
           "promote", "token_wait")
 WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload", "stream_wait")
-HOST = ("sample",)
+HOST = ("sample", "finish")
 KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "stream_wait", "post_launch",
-         "head_launch", "head_wait", "token_launch", "promote", "token_wait", "sample")
+         "head_launch", "head_wait", "token_launch", "promote", "token_wait", "sample", "finish")
 LABELS = {
     "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch",
     "doorbell": "post[l-1] + pre[l]: doorbell wait",
@@ -70,7 +70,8 @@ LABELS = {
     "post_launch": "post graph: launch", "head_launch": "head: launch",
     "head_wait": "post[last] + head: wait", "token_launch": "whole-token graph: launch",
     "promote": "graph running: cache promotions",
-    "token_wait": "whole-token graph: wait", "sample": "sample + deliver", "other": "other/host (residual)",
+    "token_wait": "whole-token graph: wait", "sample": "sample + deliver",
+    "finish": "requests finishing (prefix kept)", "other": "other/host (residual)",
 }
 
 

@@ -74,10 +74,15 @@ class Geom:
 
 
 def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: int = CTA_THREADS,
-             rr_only: int | None = None, tile_max: int = TILE_MAX, n_sm: int = N_SM, ctas_per_sm: int = 2) -> Geom:
-    """The (TPG, RR) whose estimated time is least: per-CTA latency + streaming + the busiest thread's work,
-    times the CTA waves, but never under the bytes at 3.5 TB/s. `halves` = 2 for a GLU pair; rr_only fixes RR
-    (up_mix: one row per stream)."""
+             rr_only: int | None = None, tile_max: int = TILE_MAX, n_sm: int = N_SM) -> Geom:
+    """The (TPG, RR) whose estimated time is least: per-CTA latency + staging + the busiest thread's decode work
+    + its x loads, times the CTA waves (one resident tile per SM), but never under the bytes at 3.5 TB/s.
+    `halves` = 2 for a GLU pair; rr_only fixes RR (up_mix: one row per stream).
+
+    The coefficients are a least-squares fit to every geometry of the five dense flash matrices timed on the H200
+    (`bench/gpu_check.py --phases gemv --sweep`, bench/GPU_NOTES.md): a thread's x loads (float4 reads, one per
+    4 elements of each part it takes) cost ~40x its decode instructions, so rows per thread (RR, sharing them)
+    matter most; the fit's pick is within 2% of the fastest geometry on each of the five."""
     qt = QType(qt)
     np_ = n_parts(qt, n_in)
     epp = 8 if qt in FLOAT_TYPES else BLOCKS[qt][0] * 1 // BLOCKS[qt][2]
@@ -91,11 +96,10 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
             tile = min(g.rows, n_out) * rb * halves + 32 * halves
             if tile > tile_max and not (tpg == nt and rr == (rr_only or 1)):
                 continue
-            ppt = -(-np_ // tpg)
+            x_elems = -(-np_ // tpg) * epp                         # the busiest thread's x elements
             n_tiles = -(-n_out // g.rows)
-            work = ppt * epp * (rr * ops + 3.0)                    # the busiest thread, + its x reads (L1)
-            t_cta = 1.0 + tile / 20e3 + work / 500.0               # us: latency, streaming, compute
-            t = max(t_cta * max(1.0, n_tiles / (n_sm * ctas_per_sm)), total / 3.5e6)
+            t_cta = 0.45 + tile / 10.6e3 + x_elems * rr * ops / 1920.0 + x_elems / 46.8      # us
+            t = max(t_cta * max(1.0, n_tiles / n_sm), total / 3.5e6)
             if best_t is None or t < best_t * 0.98:
                 best, best_t = g, t
         tpg *= 2
