@@ -12,7 +12,7 @@ import pytest
 from strata.engine import Engine
 from strata.host.backend import BackendError, CpuBackend
 from strata.host.experts import ExpertLayout, VramCache
-from strata.host.scheduler import MODE_RETRY, HostConfig, Scheduler
+from strata.host.scheduler import MODE_RETRY, HostConfig, Scheduler, retry_interval
 from strata.host.trace import Tracer, format_summary, load, summarize
 from strata.model.loader import load_model
 from test_scheduler import TOKENS, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
@@ -112,7 +112,7 @@ async def test_mapped_then_split_rows_read_the_same_cache(realistic_gguf):
 @pytest.mark.asyncio
 async def test_auto_picks_the_cheaper_mode(realistic_gguf):
     """auto: the first mapped-eligible row maps, the next splits (each measured once), then the cheaper by the
-    measured wall per token, the costlier re-measured every MODE_RETRY choices; a backend that cannot map is not
+    measured wall per token, the costlier re-measured every MODE_RETRY x (cost ratio) choices; a backend that cannot map is not
     asked again."""
     model = load_model(realistic_gguf)
     be = Spy(model, 8)
@@ -127,12 +127,13 @@ async def test_auto_picks_the_cheaper_mode(realistic_gguf):
         sched._mode_cost[1] = {"mapped": 0.5, "split": 1.0}
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:3])
         assert be.launches == 4
-        sched._mode_picks[1] = MODE_RETRY - 2            # the next choice but one re-measures the split
-        sched._mode_cost[1] = {"mapped": 0.5, "split": 1.0}
+        assert retry_interval(0.5, 1.0) == 2 * MODE_RETRY and retry_interval(1.0, 1.1) == MODE_RETRY
+        sched._mode_picks[1] = retry_interval(0.5, 1.0) - 1     # the next choice re-measures the split
+        sched._mode_cost[1] = {"mapped": 1e-9, "split": 2e-9}     # mapped stays the cheaper after the retry
         split0 = sched.decode_modes["split"]
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:2])
         assert be.launches == 5 and sched.decode_modes["split"] == split0 + 1
-        assert sched._mode_cost[1]["split"] < 1.0       # the retry's measurement replaced the stale one
+        assert sched._mode_cost[1]["split"] > 1e-6      # the retry's measurement replaced the stale one
     finally:
         await sched.aclose()
 

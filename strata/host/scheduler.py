@@ -69,8 +69,16 @@ def _size_class(T: int) -> int:
 
 
 STREAM_SURE = 4            # routes per expert from which a step streams without trying the split
-MODE_RETRY = 32            # every this many choices between two measured modes, the costlier is measured again (a
-                           # first measurement on a cold cache must not decide for good)
+MODE_RETRY = 32            # every this many choices between two measured modes (times their cost ratio), the
+                           # costlier is measured again (a first measurement on a cold cache must not decide for good)
+
+
+def retry_interval(best: float, other: float) -> int:
+    """Choices between retries of the costlier of two measured modes: MODE_RETRY times their cost ratio (at most
+    16), so that a retry adds about 1/MODE_RETRY to the wall however much costlier the other mode is (a split
+    retry among mapped tokens costs ~3 tokens' time)."""
+    ratio = other / best if best > 0 else 16.0
+    return MODE_RETRY * int(min(16, max(1, round(ratio))))
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 
@@ -845,7 +853,7 @@ class Scheduler:
 
     def _cheaper(self, size: int, first: str, second: str) -> str:
         """Of two modes for steps of this size class: an unmeasured one (`first` before `second`), else the one with
-        the lower measured wall per row, except that every MODE_RETRY-th choice takes the costlier one, so that its
+        the lower measured wall per row, except that every retry_interval-th choice takes the costlier one, so that its
         estimate follows the cache as it warms."""
         seen = self._mode_cost.get(size, {})
         for m in (first, second):
@@ -853,7 +861,7 @@ class Scheduler:
                 return m
         best, other = (first, second) if seen[first] <= seen[second] else (second, first)
         self._mode_picks[size] += 1
-        return other if self._mode_picks[size] % MODE_RETRY == 0 else best
+        return other if self._mode_picks[size] % retry_interval(seen[best], seen[other]) == 0 else best
 
     async def _forward_mapped(self, step: Step, reads, st: StepTrace) -> np.ndarray:
         """A decode row as one graph: each layer's routed experts are read by its kernels from the VRAM cache or,
