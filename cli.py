@@ -305,9 +305,9 @@ def _engine_options(g) -> None:
                         "a host round trip per layer; auto: by each mode's measured time per token")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
-    g.add_argument("--step-tokens", type=int, default=512,
+    g.add_argument("--step-tokens", type=int, default=None,
                    help="tokens per step at most: decode rows first, then prompt chunks (on CUDA also the "
-                        "batched path's largest step)")
+                        "batched path's largest step; default: 4096 on CUDA with every weight in VRAM, else 512)")
     g.add_argument("--trace", metavar="FILE", help="write per-step latency traces here (JSON lines)")
 
 

@@ -32,7 +32,8 @@ GPU configurations (strata: HostConfig.experts):
               a warm-up request that fills the cache first; llama.cpp: -ngl 99 with --n-cpu-moe N (the experts of
               the first N layers in host memory), N from a sweep (--ncmoe), the fastest whose device memory stayed
               within 24 GiB
-Strata prefills in steps of up to 512 tokens (HostConfig.step_tokens; --step-tokens on the GPU) on both backends:
+Strata prefills in steps of HostConfig.step_tokens (--step-tokens on the GPU; by default 4096 rows with every weight
+in VRAM on the GPU, else 512) on both backends:
 on the GPU a step of more than one row runs the batched path (strata.cuda.batch). --skip-strata names the
 measurements not run for it.
 """
@@ -90,7 +91,7 @@ KEY = {"decode": "decode_ms", "prefill": "prefill_tok_s", "streams": "agg_tok_s"
 # ---- the two engines, each in a child process ------------------------------------------------------------------
 def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
                  preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
-                 stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int = 512) -> dict:
+                 stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int | None = None) -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
@@ -381,8 +382,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--llama-bench", help="GPU configurations: llama.cpp's llama-bench binary built for CUDA")
     p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
-    p.add_argument("--step-tokens", type=int, default=512,
+    p.add_argument("--step-tokens", type=int, default=None,
                    help="strata's HostConfig.step_tokens on the GPU configurations: rows a prompt step carries at most "
+                        "(default: the engine's, 4096 with every weight in VRAM, else 512) "
                         "(under the 24 GiB budget a chunk's expert streaming is the same for any length, so longer "
                         "chunks amortize it; their activations take cache slots: 3.6 GiB at 4096 rows for flash)")
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],

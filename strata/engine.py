@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata.host.backend import Backend, CpuBackend
-from strata.host.scheduler import (EngineClosed, EngineError, Finished, HostConfig, PollPolicy, Progress, Scheduler,
-                                   Timings, TokenOut)
+from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError, Finished, HostConfig,
+                                   PollPolicy, Progress, Scheduler, Timings, TokenOut)
 from strata.host.trace import Tracer
 from strata.model.loader import Model, load_model
 from strata.reference.model import RefModel, StageDump
@@ -59,6 +59,14 @@ class Chunk:
     logprobs: TokenLogprobs | None = None     # the token's, when SamplingParams.logprobs asks
 
 
+def step_tokens(host: HostConfig, cuda_experts: str) -> int:
+    """The CUDA backend's largest step: HostConfig.step_tokens, or by default 4096 rows with every weight in VRAM
+    (STEP_TOKENS_VRAM) and 512 under a budget, where a step's activations would take expert cache slots."""
+    if host.step_tokens is not None:
+        return host.step_tokens
+    return STEP_TOKENS_VRAM if cuda_experts == "vram" else STEP_TOKENS
+
+
 def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Backend:
     if not isinstance(backend, str):
         return backend
@@ -87,7 +95,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         try:
             return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts,
                                max_ctx=host.max_ctx, doorbell_timeout_s=host.poll.timeout_s,
-                               budget_counts_device=True, step_tokens=min(host.step_tokens, host.max_ctx),
+                               budget_counts_device=True, step_tokens=min(step_tokens(host, experts), host.max_ctx),
                                log=lambda s: print(s, file=sys.stderr))
         except CudaError as e:
             why = available()       # None: CUDA works and the failure is the backend's own

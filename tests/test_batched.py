@@ -213,3 +213,18 @@ async def test_own_failure_ends_only_that_request(tiny_gguf, monkeypatch):
         assert isinstance(results[0], EngineError) and "sampler failed (injected)" in str(results[0])
         assert list(results[1:]) == alone
         await _no_state(e)
+
+
+@pytest.mark.asyncio
+async def test_default_step_tokens(tiny_gguf):
+    """HostConfig.step_tokens=None: 4096 rows for a CUDA backend with every weight in VRAM (its chunks run ~2x the
+    rows per second of 512-row ones), 512 under a VRAM budget and on the CPU; a number given is used as it is."""
+    from strata.engine import step_tokens
+    from strata.host.scheduler import STEP_TOKENS, STEP_TOKENS_VRAM
+    assert (STEP_TOKENS, STEP_TOKENS_VRAM) == (512, 4096)
+    assert step_tokens(HostConfig(), "vram") == 4096 and step_tokens(HostConfig(), "host") == 512
+    assert step_tokens(HostConfig(step_tokens=96), "vram") == 96
+    with pytest.raises(ValueError, match="at least one token"):
+        HostConfig(step_tokens=0)
+    async with await Engine.open(tiny_gguf) as e:
+        assert e.scheduler.step_tokens == 512

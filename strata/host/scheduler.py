@@ -79,6 +79,10 @@ def retry_interval(best: float, other: float) -> int:
     retry among mapped tokens costs ~3 tokens' time)."""
     ratio = other / best if best > 0 else 16.0
     return MODE_RETRY * int(min(16, max(1, round(ratio))))
+STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig.step_tokens = None) ...
+STEP_TOKENS_VRAM = 4096    # ... and on CUDA with every weight in VRAM: a 4096-row chunk's graph runs ~2x the rows
+                           # per second of a 512-row one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py), and
+                           # its 3.6 GiB of activations (flash) crowd out no expert cache there
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 
@@ -102,8 +106,9 @@ class HostConfig:
                                             # CPU: "mapped" or "vram" (the backend computes them from the
                                             # mapped file), "host" (the CPU pool over the host store), "auto":
                                             # mapped when they fit half the RAM and host_budget_bytes
-    step_tokens: int = 512                  # rows per step at most (decode rows, then prompt chunks); the
-                                            # backend's max_step_tokens caps it
+    step_tokens: int | None = None          # rows per step at most (decode rows, then prompt chunks); the
+                                            # backend's max_step_tokens caps it. None: STEP_TOKENS_VRAM on CUDA
+                                            # with every weight in VRAM, else STEP_TOKENS (512)
     prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
                                             # a backend that can copy its state (snapshot / restore) takes them
     prefetch: str = "off"                   # while layer l's experts are planned, start reading layer l + 1's
@@ -133,7 +138,7 @@ class HostConfig:
                 raise ValueError(f"HostConfig.{name} = {getattr(self, name)!r}: 'auto', 'always' or 'never'")
         if self.prefetch not in ("previous", "router", "off"):
             raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
-        if self.step_tokens < 1:
+        if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
 
 
@@ -261,7 +266,8 @@ class Scheduler:
         self.decode_modes: dict[str, int] = defaultdict(int)  # one-row steps likewise (split or mapped)
         self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
-        self.step_tokens = min(host.step_tokens, getattr(backend, "max_step_tokens", None) or host.step_tokens)
+        cap = getattr(backend, "max_step_tokens", None)         # CUDA: what make_backend opened it with
+        self.step_tokens = min(host.step_tokens, cap or host.step_tokens) if host.step_tokens else cap or STEP_TOKENS
         # a scoring chunk asks logits for every row: the backend may give fewer a step (the CUDA head's buffer)
         self.logit_rows = getattr(backend, "max_logit_rows", None) or self.step_tokens
         # every expert in VRAM (CudaBackend experts="vram"): a step is one graph, no per-layer host round trip
