@@ -173,6 +173,7 @@ def phase_gemv(sweep: bool = False) -> None:
 
     from strata.cuda import driver as drv
     from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.driver import check, cu
     from strata.cuda.graphs import Graph
     from strata.cuda.launch import pdl_status
     from strata.kernels import Kernels
@@ -275,6 +276,16 @@ def phase_gemv(sweep: bool = False) -> None:
             launches = gemv_launches()      # after the sweep: the tables hold the time model's geometry again
         t = launch_us(label, launches)
         ctas = launches[0].grid[0] * launches[0].grid[1]
+        if sweep:             # resident tiles per SM, and the same launches with the largest shared carveout
+            fn, smem = launches[0].fn, launches[0].smem
+            occ = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, launches[0].block[0], smem), "occupancy")
+            carve = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            check(cu.cuFuncSetAttribute(fn, carve, 100), "carveout")
+            t_max = launch_us(label, launches)
+            check(cu.cuFuncSetAttribute(fn, carve, -1), "carveout")
+            say(f"  {label}: {occ} CTAs/SM by occupancy ({smem} B shared a CTA); with the shared carveout at 100%: "
+                f"{t_max * 1e3:.1f} us against {t * 1e3:.1f}")
+            sweep_rows.append({"label": label, "occupancy": occ, "us_carveout100": t_max * 1e3, "us": t * 1e3})
         rows_out.append({"label": label, "type": tname, "shape": f"{n_out}x{n_in}" + (" x10" if kind == "experts" else ""),
                          "mb": per_launch_bytes / 1e6, "us": t * 1e3, "gbps": per_launch_bytes / (t * 1e-3) / 1e9,
                          "ctas": ctas, "smem": launches[0].smem})
