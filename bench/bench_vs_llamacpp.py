@@ -110,9 +110,21 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         inside = sum(int(np.count_nonzero((s > t0) & (s <= t1))) for s in got)
         return {"agg_tok_s": inside / float(t1 - t0) if t1 > t0 else float("nan")}   # nan: they never overlapped
 
+    import tempfile
+
+    from strata.host.trace import format_summary, load, summarize
+    trace = tempfile.NamedTemporaryFile(prefix="strata-bench-", suffix=".jsonl", delete=False).name
+
+    def decode_trace() -> str:
+        """Where the last request's decode steps went (the trace's table, means per step; its finish is a span)."""
+        recs = load(trace)
+        last = max(row[0] for r in recs for row in r["rows"])
+        mine = [r for r in recs if r["rows"][0][0] == last and r["kind"] == "decode"]
+        return format_summary([p for p in summarize(mine) if p.phase == "decode"])
+
     async def go():
         max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024
-        eng = await Engine.open(model, backend=backend, host=HostConfig(
+        eng = await Engine.open(model, backend=backend, trace=trace, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
             stream_experts=stream_experts, map_experts=map_experts, step_tokens=step_tokens,
             prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
@@ -146,12 +158,14 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                              if c > dmodes.get(m, 0)}            # its one-row steps: mapped or split
                 if kind == "decode":     # the last chunk: the finish marker
                     r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)
+                    print(f"strata decode {n}, the request's trace:\n{decode_trace()}", file=sys.stderr, flush=True)
                 looks = sum(cache.lookups.values()) - looks0
                 if looks:                # the request's VRAM cache hit rate (prompt and decode rows)
                     r["vram_hits"] = round((sum(cache.hits.values()) - hits0) / looks, 4)
             print(f"strata {kind} {n}: {r}", file=sys.stderr, flush=True)
             out.append(r)
         await eng.aclose()
+        os.unlink(trace)
         return out
 
     return {"runs": asyncio.run(go())}
