@@ -83,6 +83,10 @@ STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig
 STEP_TOKENS_VRAM = 4096    # ... and on CUDA with every weight in VRAM: a 4096-row chunk's graph runs ~2x the rows
                            # per second of a 512-row one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py), and
                            # its 3.6 GiB of activations (flash) crowd out no expert cache there
+RAMP_FIRST = 512           # a prompt's first chunk at most this many rows; then each chunk doubles, up to step_tokens:
+                           # a chunk waits for its PLE rows, read from the SSD (4 KiB each, ~41K a second at depth
+                           # 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and each later chunk's are
+                           # read while the one before computes, so only the first chunk's reads are exposed
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 
@@ -469,7 +473,8 @@ class Scheduler:
                 if self.backend.max_seqs is not None and self.live >= self.backend.max_seqs:
                     continue                     # waits for a sequence
                 self._new_seq(req)
-            n = min(budget, len(req.prompt) - req.pos, self.logit_rows if req.sampler is None else budget)
+            n = min(budget, self._chunk_cap(req), len(req.prompt) - req.pos,
+                    self.logit_rows if req.sampler is None else budget)
             ends = req.pos + n == len(req.prompt)
             plan.append((req, req.prompt[req.pos:req.pos + n], "all" if req.sampler is None else
                          "last" if ends else "none"))
@@ -479,6 +484,13 @@ class Scheduler:
         self._active = deque([r for r in self._active if id(r) not in served] +
                              [r for r in self._active if id(r) in served])
         return plan
+
+    def _chunk_cap(self, req: Request, ahead: int = 0) -> int:
+        """The most rows of req's prompt chunk `ahead` chunks after its next one: RAMP_FIRST doubling per chunk up
+        to step_tokens when the model reads PLE rows (req.steps counts the chunks fed while it prefills)."""
+        if self.ple is None or self.step_tokens <= RAMP_FIRST:
+            return self.step_tokens
+        return min(self.step_tokens, RAMP_FIRST << min(req.steps + ahead, 16))
 
     def _new_seq(self, req: Request) -> None:
         """A sequence for a request about to be fed: resumed from the longest snapshot its prompt starts with (a
@@ -664,7 +676,7 @@ class Scheduler:
             if req.prefilling and end < len(req.prompt) and not req.aborted:
                 nxt = NgramWindow(req.window.prev)
                 nxt.advance_all(self.cfg, toks)
-                more = req.prompt[end:end + self.step_tokens]
+                more = req.prompt[end:end + self._chunk_cap(req, 1)]
                 req.ple_ahead = (end, _PleRead.start(self.ple, ple_rows(self.cfg, more, nxt)))
         return out
 
