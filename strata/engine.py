@@ -82,7 +82,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         # "vram" (every expert resident on the device) is, on the CPU, the mapped file
         return CpuBackend(model, experts="host" if experts == "host" else "mapped")
     if backend == "cuda":
-        from strata.cuda.backend import CudaBackend  # lazily: cuda-bindings only where there is a GPU
+        from strata.cuda.backend import BudgetTooSmall, CudaBackend  # lazily: cuda-bindings only where there is a GPU
         from strata.cuda.driver import CudaError, available
         experts = host.experts
         if experts == "auto":          # everything but the PLE table (it stays on disk) fits the budget, with 2 GiB
@@ -92,11 +92,22 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         if experts not in ("vram", "host"):
             raise ValueError(f"HostConfig.experts={experts!r}: choose 'auto', 'vram' or 'host'")
         # experts="host": experts stay in host memory; the VRAM left after the dense weights is the expert cache
-        try:
+        log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+
+        def open_cuda(rows: int):
             return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts,
                                max_ctx=host.max_ctx, doorbell_timeout_s=host.poll.timeout_s,
-                               budget_counts_device=True, step_tokens=min(step_tokens(host, experts), host.max_ctx),
-                               log=lambda s: print(s, file=sys.stderr))
+                               budget_counts_device=True, step_tokens=min(rows, host.max_ctx), log=log)
+        rows = step_tokens(host, experts)
+        try:
+            try:
+                return open_cuda(rows)
+            except BudgetTooSmall:
+                if host.step_tokens is not None or rows <= STEP_TOKENS:
+                    raise
+                # the default's larger steps take activations the budget may not hold beside every weight
+                log(f"strata.cuda: steps of {rows} rows do not fit the budget; steps of {STEP_TOKENS}")
+                return open_cuda(STEP_TOKENS)
         except CudaError as e:
             why = available()       # None: CUDA works and the failure is the backend's own
             if why is None:

@@ -249,3 +249,26 @@ async def test_prompt_chunks_ramp_up(tiny_gguf, tmp_path, monkeypatch):
     chunks = [row[2] for r in load(str(trace)) for row in r["rows"] if row[1] == "prompt"]
     assert chunks == [2, 4, 8, 8, 8]
     assert ramped == even
+
+
+def test_default_step_falls_back_when_the_budget_is_short(tiny_gguf, monkeypatch):
+    """The CUDA default of 4096-row steps with every weight in VRAM: when those steps' activations do not fit the
+    budget the backend is opened again with 512-row steps; a step size the user gave is not second-guessed."""
+    import strata.cuda.backend as cb
+    from strata.engine import make_backend
+    tried = []
+
+    class Fake:
+        def __init__(self, model, *, step_tokens, **kw):
+            tried.append(step_tokens)
+            if step_tokens > 512:
+                raise cb.BudgetTooSmall("CudaBackend: the model needs more than the budget leaves")
+            self.max_step_tokens = step_tokens
+    monkeypatch.setattr(cb, "CudaBackend", Fake)
+    model = load_model(tiny_gguf)
+    be = make_backend("cuda", model, HostConfig(experts="vram", max_ctx=8192))
+    assert tried == [4096, 512] and be.max_step_tokens == 512
+    tried.clear()
+    with pytest.raises(cb.BudgetTooSmall):
+        make_backend("cuda", model, HostConfig(experts="vram", step_tokens=2048, max_ctx=8192))
+    assert tried == [2048]

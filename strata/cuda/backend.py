@@ -118,6 +118,10 @@ def _guarded(method):
     return call
 
 
+class BudgetTooSmall(BackendError):
+    """The arena does not fit the VRAM budget or the device's free memory (raised before anything is allocated)."""
+
+
 class CudaBackend:
     name = "cuda"
     max_seqs = 1          # one sequence at a time on the GPU: the state buffers exist once
@@ -173,13 +177,15 @@ class CudaBackend:
         self._plan_launches()
         free, total = self.dev.mem_info()
         if self.A.total + MEM_MARGIN > free:
-            raise BackendError(f"CudaBackend: the arena needs {self.A.total / 2**30:.2f} GiB (+{MEM_MARGIN >> 20} MiB "
-                               f"margin), the device has {free / 2**30:.2f} GiB free of {total / 2**30:.2f}")
+            self._drop_streams()
+            raise BudgetTooSmall(f"CudaBackend: the arena needs {self.A.total / 2**30:.2f} GiB (+{MEM_MARGIN >> 20} "
+                                 f"MiB margin), the device has {free / 2**30:.2f} GiB free of {total / 2**30:.2f}")
         if vram_budget_bytes is not None and self.A.total > vram_budget_bytes:
             held = (f" ({self.held_before / 2**30:.2f} GiB already in use on the device and {MEM_MARGIN >> 20} MiB "
                     f"for the graphs came off it)" if self.held_before else "")
-            raise BackendError(f"CudaBackend: the model needs {self.A.total / 2**30:.2f} GiB of VRAM with experts="
-                               f"{experts!r}, the budget leaves {vram_budget_bytes / 2**30:.2f} GiB{held}")
+            self._drop_streams()
+            raise BudgetTooSmall(f"CudaBackend: the model needs {self.A.total / 2**30:.2f} GiB of VRAM with experts="
+                                 f"{experts!r}, the budget leaves {vram_budget_bytes / 2**30:.2f} GiB{held}")
         self.A.commit()
         self.A.zero(self.stream)
         self._upload()
@@ -1127,6 +1133,11 @@ class CudaBackend:
         self.ev_load[i].record(self.side)
         self.load_used[i] = True
         self.load_turn = (i + 1) % LOAD_STAGING
+
+    def _drop_streams(self) -> None:
+        """A constructor that gives up before the arena frees what it made (the engine may retry smaller)."""
+        self.stream.destroy()
+        self.side.destroy()
 
     # ---- streamed experts (a batched step under a VRAM budget) -------------------------------------------------
     def stream_slots(self) -> int:
