@@ -49,6 +49,16 @@ def _write_progress(label: str):
     return report
 
 
+def _step_tokens(v: str) -> int | None:
+    """--step-tokens: a count, or auto (None: the engine's default)."""
+    if v == "auto":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{v}': a number of tokens, or auto") from None
+
+
 def _host(a):
     from strata.engine import HostConfig
     ctx = {} if a.ctx is None else {"max_ctx": a.ctx}       # the CUDA KV cache holds the context asked for
@@ -305,9 +315,9 @@ def _engine_options(g) -> None:
                         "a host round trip per layer; auto: by each mode's measured time per token")
     g.add_argument("--ple-cache-mib", type=float, default=64.0,
                    help="hot PLE table rows kept in RAM (0: every row is read from the file)")
-    g.add_argument("--step-tokens", type=int, default=None,
+    g.add_argument("--step-tokens", type=_step_tokens, default="auto", metavar="N|auto",
                    help="tokens per step at most: decode rows first, then prompt chunks (on CUDA also the "
-                        "batched path's largest step; default: 4096 on CUDA with every weight in VRAM, else 512)")
+                        "batched path's largest step); auto: 4096 on CUDA with every weight in VRAM, else 512")
     g.add_argument("--trace", metavar="FILE", help="write per-step latency traces here (JSON lines)")
 
 

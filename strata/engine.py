@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strata.host.backend import Backend, CpuBackend
+from strata.host.backend import Backend, BudgetTooSmall, CpuBackend
 from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError, Finished, HostConfig,
                                    PollPolicy, Progress, Scheduler, Timings, TokenOut)
 from strata.host.trace import Tracer
@@ -82,7 +82,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         # "vram" (every expert resident on the device) is, on the CPU, the mapped file
         return CpuBackend(model, experts="host" if experts == "host" else "mapped")
     if backend == "cuda":
-        from strata.cuda.backend import BudgetTooSmall, CudaBackend  # lazily: cuda-bindings only where there is a GPU
+        from strata.cuda.backend import CudaBackend  # lazily: cuda-bindings only where there is a GPU
         from strata.cuda.driver import CudaError, available
         experts = host.experts
         if experts == "auto":          # everything but the PLE table (it stays on disk) fits the budget, with 2 GiB

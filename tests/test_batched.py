@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from strata.engine import Engine, EngineError, HostConfig
-from strata.host.backend import CpuBackend
 from strata.model.loader import load_model
 from strata.reference.model import Batch, RefModel, StageDump, first_divergence
 from strata.sampling import SamplingParams
@@ -256,19 +255,20 @@ def test_default_step_falls_back_when_the_budget_is_short(tiny_gguf, monkeypatch
     budget the backend is opened again with 512-row steps; a step size the user gave is not second-guessed."""
     import strata.cuda.backend as cb
     from strata.engine import make_backend
+    from strata.host.backend import BudgetTooSmall
     tried = []
 
     class Fake:
         def __init__(self, model, *, step_tokens, **kw):
             tried.append(step_tokens)
             if step_tokens > 512:
-                raise cb.BudgetTooSmall("CudaBackend: the model needs more than the budget leaves")
+                raise BudgetTooSmall("CudaBackend: the model needs more than the budget leaves")
             self.max_step_tokens = step_tokens
     monkeypatch.setattr(cb, "CudaBackend", Fake)
     model = load_model(tiny_gguf)
     be = make_backend("cuda", model, HostConfig(experts="vram", max_ctx=8192))
     assert tried == [4096, 512] and be.max_step_tokens == 512
     tried.clear()
-    with pytest.raises(cb.BudgetTooSmall):
+    with pytest.raises(BudgetTooSmall):
         make_backend("cuda", model, HostConfig(experts="vram", step_tokens=2048, max_ctx=8192))
     assert tried == [2048]

@@ -67,7 +67,7 @@ def test_chat_keeps_history(tiny_gguf):
 
 
 def test_help_shows_defaults(capsys):
-    want = {"generate": ["(default: 64)", "(default: 0.0)", "(default: cpu)", "(default: 512)", "(default: 24.0)",
+    want = {"generate": ["(default: 64)", "(default: 0.0)", "(default: cpu)", "(default: auto)", "(default: 24.0)",
                          "(default: Once upon a time)", "(default: a random one)"],
             "chat": ["(default: the rest of the context)", "(default: 1.0)", "(default: none)"],
             "serve": ["(default: 127.0.0.1)", "(default: 8000)", "(default: $STRATA_API_KEY; unset: no key)",

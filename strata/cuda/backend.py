@@ -40,7 +40,7 @@ from strata.cuda.driver import CudaError
 from strata.cuda.graphs import Graph
 from strata.cuda.launch import CopyH2D, Launch, pdl_status
 from strata.cuda.weights import Uploader, conversion_note, device_rows, device_type
-from strata.host.backend import BackendError, ExpertPlan, Route, Step
+from strata.host.backend import BackendError, BudgetTooSmall, ExpertPlan, Route, Step
 from strata.host.cells import Cells
 from strata.kernels import Kernels
 from strata.kernels import gdn as kgdn
@@ -116,10 +116,6 @@ def _guarded(method):
             self._failed = str(e)
             raise
     return call
-
-
-class BudgetTooSmall(BackendError):
-    """The arena does not fit the VRAM budget or the device's free memory (raised before anything is allocated)."""
 
 
 class CudaBackend:

@@ -70,6 +70,10 @@ class BackendError(RuntimeError):
     """The device failed or stopped answering; the message says which call and why."""
 
 
+class BudgetTooSmall(BackendError):
+    """A backend's memory does not fit its budget or the device (raised before anything is allocated)."""
+
+
 @dataclass(frozen=True)
 class Segment:
     """A run of one sequence's consecutive tokens in a step."""
