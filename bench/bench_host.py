@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.engine import Engine, HostConfig  # noqa: E402  (after the path line: runs from a checkout)
-from strata.host.trace import format_summary, load, summarize  # noqa: E402
+from strata.host.trace import format_summary, last_request, load, summarize  # noqa: E402
 from strata.sampling import SamplingParams  # noqa: E402
 
 GIB = 1 << 30
@@ -85,8 +85,7 @@ async def run(a: argparse.Namespace, trace: str) -> None:
           f"({hits}/{looks}), {s.cache.uploads} uploads in all, {len(s.cache)} experts resident "
           f"({s.cache.bytes / GIB:.2f} GiB)")
     recs = load(trace)
-    measured = max(row[0] for r in recs for row in r["rows"])      # the last request is the measured one
-    phases = summarize([r for r in recs if r["rows"][0][0] == measured])
+    phases = summarize(last_request(recs))                         # the last request is the measured one
     print(format_summary(phases))
     d = next((p for p in phases if p.phase == "decode"), None)
     if d is not None:             # one request: a decode step is one token

@@ -112,15 +112,12 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
 
     import tempfile
 
-    from strata.host.trace import format_summary, load, summarize
+    from strata.host.trace import format_summary, last_request, load, summarize
     trace = tempfile.NamedTemporaryFile(prefix="strata-bench-", suffix=".jsonl", delete=False).name
 
     def decode_trace() -> str:
         """Where the last request's decode steps went (the trace's table, means per step; its finish is a span)."""
-        recs = load(trace)
-        last = max(row[0] for r in recs for row in r["rows"])
-        mine = [r for r in recs if r["rows"][0][0] == last and r["kind"] == "decode"]
-        return format_summary([p for p in summarize(mine) if p.phase == "decode"])
+        return format_summary([p for p in summarize(last_request(load(trace))) if p.phase == "decode"])
 
     async def go():
         max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024

@@ -276,6 +276,7 @@ def phase_gemv(sweep: bool = False) -> None:
             launches = gemv_launches()      # after the sweep: the tables hold the time model's geometry again
         t = launch_us(label, launches)
         ctas = launches[0].grid[0] * launches[0].grid[1]
+        extra = {}
         if sweep:             # resident tiles per SM, and the same launches with the largest shared carveout
             fn, smem = launches[0].fn, launches[0].smem
             occ = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, launches[0].block[0], smem), "occupancy")
@@ -285,10 +286,10 @@ def phase_gemv(sweep: bool = False) -> None:
             check(cu.cuFuncSetAttribute(fn, carve, -1), "carveout")
             say(f"  {label}: {occ} CTAs/SM by occupancy ({smem} B shared a CTA); with the shared carveout at 100%: "
                 f"{t_max * 1e3:.1f} us against {t * 1e3:.1f}")
-            sweep_rows.append({"label": label, "occupancy": occ, "us_carveout100": t_max * 1e3, "us": t * 1e3})
+            extra = {"occupancy": occ, "us_carveout100": t_max * 1e3}
         rows_out.append({"label": label, "type": tname, "shape": f"{n_out}x{n_in}" + (" x10" if kind == "experts" else ""),
                          "mb": per_launch_bytes / 1e6, "us": t * 1e3, "gbps": per_launch_bytes / (t * 1e-3) / 1e9,
-                         "ctas": ctas, "smem": launches[0].smem})
+                         "ctas": ctas, "smem": launches[0].smem, **extra})
         say(f"gemv {label}: {rows_out[-1]['us']:.1f} us, {rows_out[-1]['gbps']:.0f} GB/s")
         A.free()
     stream.destroy()

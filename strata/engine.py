@@ -92,7 +92,8 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         if experts not in ("vram", "host"):
             raise ValueError(f"HostConfig.experts={experts!r}: choose 'auto', 'vram' or 'host'")
         # experts="host": experts stay in host memory; the VRAM left after the dense weights is the expert cache
-        log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+        def log(line: str) -> None:
+            print(line, file=sys.stderr)
 
         def open_cuda(rows: int):
             return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts,

@@ -71,14 +71,6 @@ def _size_class(T: int) -> int:
 STREAM_SURE = 4            # routes per expert from which a step streams without trying the split
 MODE_RETRY = 32            # every this many choices between two measured modes (times their cost ratio), the
                            # costlier is measured again (a first measurement on a cold cache must not decide for good)
-
-
-def retry_interval(best: float, other: float) -> int:
-    """Choices between retries of the costlier of two measured modes: MODE_RETRY times their cost ratio (at most
-    16), so that a retry adds about 1/MODE_RETRY to the wall however much costlier the other mode is (a split
-    retry among mapped tokens costs ~3 tokens' time)."""
-    ratio = other / best if best > 0 else 16.0
-    return MODE_RETRY * int(min(16, max(1, round(ratio))))
 STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig.step_tokens = None) ...
 STEP_TOKENS_VRAM = 4096    # ... and on CUDA with every weight in VRAM: a 4096-row chunk's graph runs ~2x the rows
                            # per second of a 512-row one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py), and
@@ -89,6 +81,14 @@ RAMP_FIRST = 512           # a prompt's first chunk at most this many rows; then
                            # read while the one before computes, so only the first chunk's reads are exposed
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
+
+
+def retry_interval(best: float, other: float) -> int:
+    """Choices between retries of the costlier of two measured modes: MODE_RETRY times their cost ratio (at most
+    16), so that a retry adds about 1/MODE_RETRY to the wall however much costlier the other mode is (a split
+    retry among mapped tokens costs ~3 tokens' time)."""
+    ratio = other / best if best > 0 else 16.0
+    return MODE_RETRY * int(min(16, max(1, round(ratio))))
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,8 @@ class Scheduler:
         self.prefetch_on = host.prefetch != "off"
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
         cap = getattr(backend, "max_step_tokens", None)         # CUDA: what make_backend opened it with
-        self.step_tokens = min(host.step_tokens, cap or host.step_tokens) if host.step_tokens else cap or STEP_TOKENS
+        want = host.step_tokens or cap or STEP_TOKENS
+        self.step_tokens = min(want, cap) if cap else want
         # a scoring chunk asks logits for every row: the backend may give fewer a step (the CUDA head's buffer)
         self.logit_rows = getattr(backend, "max_logit_rows", None) or self.step_tokens
         # every expert in VRAM (CudaBackend experts="vram"): a step is one graph, no per-layer host round trip

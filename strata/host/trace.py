@@ -340,6 +340,12 @@ class PhaseSummary:
         return 1e3 * self.tokens / self.wall_ms if self.wall_ms > 0 else 0.0
 
 
+def last_request(records: list[dict]) -> list[dict]:
+    """The steps of the newest request in records (one request a step: the benches' measured request)."""
+    last = max(row[0] for r in records for row in r["rows"])
+    return [r for r in records if r["rows"][0][0] == last]
+
+
 def summarize(records: list[dict]) -> list[PhaseSummary]:
     device = union((s[2], s[3]) for r in records for s in r["spans"] if s[0] in DEVICE)
     out = []
