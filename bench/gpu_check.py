@@ -166,9 +166,10 @@ def sweep_geoms(n_out: int, tile_row_bytes: int):
         tpg *= 2
 
 
-def phase_gemv(sweep: bool = False) -> None:
+def phase_gemv(sweep: bool = False, once: bool = False) -> None:
     """Per-launch time and GB/s of the GEMV kernels at the flash shapes (see the module docstring); with `sweep`,
-    every geometry of each dense matrix as well, next to the time model's pick."""
+    every geometry of each dense matrix as well, next to the time model's pick. With `once`, each matrix's
+    launches (one matrix, or one set of experts) run once, eagerly and untimed: what a profiler (ncu) is given."""
     from types import SimpleNamespace
 
     from strata.cuda import driver as drv
@@ -190,6 +191,11 @@ def phase_gemv(sweep: bool = False) -> None:
 
     def launch_us(label, launches) -> float:
         """Median ms per launch of a captured graph of back-to-back launches (15 replays after a warm-up)."""
+        if once:
+            for l in launches[:2 if label.startswith("experts") else 1]:
+                l.enqueue(stream)
+            stream.synchronize("profiled launch")
+            return float("nan")
         reps = max(1, 24 // len(launches))
         graph = Graph(f"gemv bench {label}", stream, lambda: [l.enqueue(stream) for _ in range(reps) for l in launches])
         e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
@@ -386,6 +392,8 @@ def main() -> None:
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
     ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, model, bench")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
+    ap.add_argument("--once", action="store_true",
+                    help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     a = ap.parse_args()
     os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
@@ -399,7 +407,7 @@ def main() -> None:
             elif p == "tests":
                 phase_tests(["tests/test_cuda_kernels.py", "tests/test_cuda_backend.py"])
             elif p == "gemv":
-                phase_gemv(a.sweep)
+                phase_gemv(a.sweep, a.once)
             elif p == "model":
                 phase_model()
             elif p == "bench":
