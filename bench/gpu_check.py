@@ -154,14 +154,14 @@ GEMV_CASES = [   # (label, type, n_out, n_in, kind): kind gemv | glu | experts
 ]
 
 
-def sweep_geoms(n_out: int, tile_row_bytes: int):
+def sweep_geoms(n_out: int, rb: int, halves: int):
     """Every GEMV geometry whose tile fits the kernel's shared memory (48 KB without the opt-in)."""
-    from strata.kernels.gemv import CTA_THREADS, Geom, tile_smem
+    from strata.kernels.gemv import CTA_THREADS, Geom, tile_fits
     tpg = 4
     while tpg <= CTA_THREADS:
         for rr in (1, 2, 4):
             g = Geom(tpg, rr, CTA_THREADS)
-            if tile_smem(min(g.rows, n_out) * tile_row_bytes) <= 48 * 1024:
+            if tile_fits(g, n_out, rb, halves):
                 yield g
         tpg *= 2
 
@@ -273,7 +273,7 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
             per_launch_bytes = mat_bytes * halves
             if sweep:
                 picked = kgemv.geometry(qt, n_in, n_out, rb, halves=halves)
-                for geom in sweep_geoms(n_out, rb * halves):
+                for geom in sweep_geoms(n_out, rb, halves):
                     us = launch_us(f"{label} sweep", gemv_launches(geom)) * 1e3
                     sweep_rows.append({"label": label, "tpg": geom.tpg, "rr": geom.rr, "us": us,
                                        "gbps": per_launch_bytes / (us * 1e-6) / 1e9, "picked": geom == picked})

@@ -222,8 +222,7 @@ def test_gemv_every_geometry(rig, qt):
         glu = a / (1 + np.exp(-a)) * b
     for g in GEOMS:
         for pair, ref in ((None, a), (w2, glu)):
-            tile = [min(g.rows, n_out) * w.row_bytes] * (1 if pair is None else 2)
-            if kgemv.tile_smem(*tile) > 48 * 1024:
+            if not kgemv.tile_fits(g, n_out, w.row_bytes, 1 if pair is None else 2):
                 continue
             rig.poison(y)
             rig.run(kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, [Job(w, xb, y, w2=pair)], g))

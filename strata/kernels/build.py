@@ -20,6 +20,12 @@ HEADERS = ("common.cuh", "quant.cuh", "gemm.cuh")
 OPTIONS = ("-std=c++17", "-lineinfo")
 
 
+def options() -> tuple[str, ...]:
+    """OPTIONS, plus -D NAME=VALUE for each word of $STRATA_KERNEL_DEFINES: the benches build a kernel's
+    compile-time variants with it (bench/gpu_check.py --phases gemv under GEMV_MIN_CTAS=2, 3, 4)."""
+    return OPTIONS + tuple("-D" + d for d in os.environ.get("STRATA_KERNEL_DEFINES", "").split())
+
+
 class KernelBuildError(RuntimeError):
     """NVRTC refused a source: the message holds its log."""
 
@@ -54,7 +60,7 @@ def cache_key(name: str, arch: int) -> str:
     h.update(source_text(name).encode())
     for src, hname in _headers():
         h.update(hname + b"\0" + src)
-    h.update(f"sm_{arch}|{'|'.join(OPTIONS)}|nvrtc {nvrtc_version()}".encode())
+    h.update(f"sm_{arch}|{'|'.join(options())}|nvrtc {nvrtc_version()}".encode())
     return h.hexdigest()[:24]
 
 
@@ -72,7 +78,7 @@ def compile_cubin(name: str, arch: int) -> bytes:
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         return buf.decode(errors="replace").rstrip("\0 \n")
 
-    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(o.encode() for o in OPTIONS)]
+    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(o.encode() for o in options())]
     try:
         _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"nvrtcCompileProgram({name}.cu, sm_{arch})", log)
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")

@@ -21,7 +21,8 @@ struct GemvJob {
     i32 geom;            // log2(TPG) | RR << 4 (quant.cuh geom_*); tile rows RT = 256 / TPG * RR
 };
 
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_jobs(const GemvJob* __restrict__ jobs, int n_jobs) {
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const GemvJob* __restrict__ jobs,
+                                                                          int n_jobs) {
     __shared__ float red[4 * 8];
     pdl_begin();
     int j = 0;

@@ -179,6 +179,11 @@ def tile_smem(*range_bytes: int) -> int:
     return total + 16
 
 
+def tile_fits(g: Geom, n_out: int, rb: int, halves: int = 1) -> bool:
+    """Whether a CTA's tile of geometry g (`halves` matrices of rows of rb bytes) fits 48 KB of shared memory."""
+    return tile_smem(*[min(g.rows, n_out) * rb] * halves) <= 48 * 1024
+
+
 def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job], geom: Geom | None = None) -> Launch:
     """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job."""
     rows, cta, smem = gemv_plan(jobs, name, geom)

@@ -118,9 +118,9 @@ __device__ __forceinline__ const u8* expert_part(const MoeJob& J, int slot, int 
 // h[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for every selected expert j whose slot is >= 0 (a GPU expert);
 // grid (ceil(F / RT), k): CTA (t, j) stages rows [t RT, t RT + RT) of expert j's gate and up matrices.
 // slots[j] < 0: the host computes expert j, this CTA has nothing to do. With ptab, slots are the expert ids.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const MoeJob* __restrict__ job,
-                                                                 const i32* __restrict__ slots,
-                                                                 const float* __restrict__ x, float* h) {
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_gate_up(const MoeJob* __restrict__ job,
+                                                                             const i32* __restrict__ slots,
+                                                                             const float* __restrict__ x, float* h) {
     __shared__ float red[4 * 8];
     pdl_begin();
     const MoeJob J = *job;
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const MoeJob* _
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.F - row0);
     const Ranges R = ranges2(expert_part(J, slot, 0) + (size_t)row0 * J.rb_g, nrows * J.rb_g,
                              expert_part(J, slot, 1) + (size_t)row0 * J.rb_u, nrows * J.rb_u);
-    stage(R);
+    stage(R, J.ptab != nullptr);      // a mapped token's misses are read from host memory
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4], o2[4];
@@ -155,9 +155,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const MoeJob* _
 }
 
 // out[j, e] = down_j[e] . h[j] for every GPU expert j; grid (ceil(E / RT), k)
-extern "C" __global__ void __launch_bounds__(256, 2) moe_down(const MoeJob* __restrict__ job,
-                                                              const i32* __restrict__ slots,
-                                                              const float* __restrict__ h, float* out) {
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_down(const MoeJob* __restrict__ job,
+                                                                          const i32* __restrict__ slots,
+                                                                          const float* __restrict__ h, float* out) {
     __shared__ float red[4 * 8];
     pdl_begin();
     const MoeJob J = *job;
@@ -166,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down(const MoeJob* __re
     const int tpg = geom_tpg(J.geom_d), rr = geom_rr(J.geom_d), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.E - row0);
     const Ranges R = ranges2(expert_part(J, slot, 2) + (size_t)row0 * J.rb_d, nrows * J.rb_d, nullptr, 0);
-    stage(R);
+    stage(R, J.ptab != nullptr);      // a mapped token's misses are read from host memory
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4];

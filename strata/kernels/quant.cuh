@@ -395,11 +395,17 @@ __device__ __noinline__ void row_deq(int type, const u8* row, float* out, int n_
 // ==== THE GEMV CORE: weight tiles staged in shared memory, a thread's x reused across up to 4 rows ===========
 //
 // A CTA of NT threads takes a tile of up to 4 row sets (RR) of G = NT / TPG rows. The tile's bytes come from
-// global memory into shared memory as 16-byte streaming loads, every load of a thread issued before its first
-// store, each byte keeping its address mod 16 (a block keeps its alignment). Thread (g, l) = (tid / TPG,
-// tid % TPG) takes parts l, l + TPG, ... of row g of every row set: it loads the part's x (float4 reads, L1)
-// once and applies it to up to 4 rows with independent accumulators. The TPG partial sums of a row meet in a
-// fixed order (xor butterfly in a warp, then the warps in order): results are deterministic.
+// global memory into shared memory as 16-byte asynchronous copies (cp.async: every copy of a thread in flight at
+// once, none of them holding registers; from mapped host memory, batches of plain loads), each byte keeping its
+// address mod 16 (a block keeps its alignment).
+// Thread (g, l) = (tid / TPG, tid % TPG) takes parts l, l + TPG, ... of row g of every row set: it loads the
+// part's x (float4 reads, L1) once and applies it to up to 4 rows with independent accumulators. The TPG partial
+// sums of a row meet in a fixed order (xor butterfly in a warp, then the warps in order): results are
+// deterministic.
+//
+// x stays in global memory, read through L1: staged into each CTA's shared memory (measured 2026-12-02) it cost
+// more than it saved wherever x is long beside the tile (hc down: 40 KB of x a CTA for 21 KB of weights; 5.9 ->
+// 7.1 us), the resident CTAs of an SM no longer sharing one L1 copy of it.
 //
 // Format structs V*: QK, BB, NP (parts per block, a power of 2), EPP (elements per part), G (scale groups per
 // part), HAS_B (a b * sum(x) term per group), IS_FLOAT, run(p, r) (block offset of the part's run r of 4
@@ -407,6 +413,14 @@ __device__ __noinline__ void row_deq(int type, const u8* row, float* out, int n_
 // part's x in run order); sx[G] the x sums per group (HAS_B formats). Integer codes become floats exactly: the
 // code's bits under the exponent of 2^23 (one LOP3 or PRMT), then one FADD or FFMA removes 2^23 (and the code
 // offset); a code at bit 4j is scaled back by 16^-j inside that FFMA, so no shift is needed.
+
+// The GEMV-core kernels' resident CTAs per SM (__launch_bounds__): registers, not shared memory, set how many fit
+// (~107 registers a thread at 2, 80 with spills at 3). ncu (2026-12-02): 25% occupancy at 2, warps stalled on
+// latency with none other to issue; yet 3 measured slower over the whole-token graph (8.28 against 8.14 ms) and
+// faster on some matrices only (the LM head, ssm_out): bench/GPU_NOTES.md.
+#ifndef GEMV_MIN_CTAS
+#define GEMV_MIN_CTAS 2
+#endif
 
 #define MAGIC_U 0x4B000000u
 
@@ -724,8 +738,6 @@ __device__ __forceinline__ float4 dot_rows(int type, int o0, int o1, int o2, int
 
 // ---- staging: up to 4 byte ranges of global memory into shared memory --------------------------------------
 
-#define STAGE_BATCH 12      // 16-byte loads in flight per thread (48 KB per 256-thread CTA)
-
 struct Ranges {
     const u8* src[4];   // global start of each range (any alignment)
     int n[4];           // bytes (0: unused)
@@ -757,31 +769,65 @@ __device__ __forceinline__ Ranges ranges2(const u8* s0, int n0, const u8* s1, in
     return R;
 }
 
-__device__ __forceinline__ void stage(const Ranges& R) {
+// 16 bytes global -> shared, asynchronously (cp.async, cached in L2 only: weights are read once); both 16-aligned
+__device__ __forceinline__ void cp_async16(int dst, const u8* src) {
+#ifdef __CUDACC__
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(SMEM + dst));
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+    *(uint4*)(SMEM + dst) = *(const uint4*)src;
+#endif
+}
+
+#define STAGE_BATCH 12      // stage from host memory: 16-byte loads in flight per thread (48 KB per 256 threads)
+
+// chunk i of the ranges' 16-byte chunks: its source (16-aligned) and shared offset
+__device__ __forceinline__ void range_chunk(const Ranges& R, int p1, int p2, int p3, int i, const u8*& src,
+                                            int& dst) {
+    const int k = i < p1 ? 0 : i < p2 ? 1 : i < p3 ? 2 : 3;
+    const u8* s = k == 0 ? R.src[0] : k == 1 ? R.src[1] : k == 2 ? R.src[2] : R.src[3];
+    const int j = i - (k == 0 ? 0 : k == 1 ? p1 : k == 2 ? p2 : p3);
+    dst = (k == 0 ? R.dst[0] : k == 1 ? R.dst[1] : k == 2 ? R.dst[2] : R.dst[3]) + 16 * j;
+    src = (const u8*)((unsigned long long)s & ~15ull) + 16 * j;
+}
+
+// Every range into shared memory; each thread waits for its own copies, the caller's __syncthreads for the rest.
+// `host`: a range may be in mapped host memory (a mapped token's missed experts): then plain 16-byte loads,
+// STAGE_BATCH in flight per thread, as registers: cp.async reads of host memory over PCIe were far slower (a
+// mapped 24 GiB token's graph 15.5 ms with them, 8.5 with these; H200, 2026-12-02). From device memory cp.async
+// is the faster (no register batches: the LM head 342 -> 312 us).
+__device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
     const int c0 = chunks16(R.src[0], R.n[0]), c1 = chunks16(R.src[1], R.n[1]), c2 = chunks16(R.src[2], R.n[2]),
               c3 = chunks16(R.src[3], R.n[3]);
     const int p1 = c0, p2 = p1 + c1, p3 = p2 + c2, total = p3 + c3;
     const int nt = blockDim.x;
+    const u8* src;
+    int dst;
+    if (!host) {
+        for (int i = threadIdx.x; i < total; i += nt) {
+            range_chunk(R, p1, p2, p3, i, src, dst);
+            cp_async16(dst, src);
+        }
+#ifdef __CUDACC__
+        asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+        return;
+    }
     for (int base = threadIdx.x; base < total; base += STAGE_BATCH * nt) {
         uint4 v[STAGE_BATCH];
 #pragma unroll
         for (int u = 0; u < STAGE_BATCH; u++) {
-            const int i = base + u * nt;
-            if (i < total) {
-                const int k = i < p1 ? 0 : i < p2 ? 1 : i < p3 ? 2 : 3;
-                const u8* s = k == 0 ? R.src[0] : k == 1 ? R.src[1] : k == 2 ? R.src[2] : R.src[3];
-                const int j = i - (k == 0 ? 0 : k == 1 ? p1 : k == 2 ? p2 : p3);
-                v[u] = ld_stream16((const u8*)((unsigned long long)s & ~15ull) + 16 * j);
+            if (base + u * nt < total) {
+                range_chunk(R, p1, p2, p3, base + u * nt, src, dst);
+                v[u] = ld_stream16(src);
             }
         }
 #pragma unroll
         for (int u = 0; u < STAGE_BATCH; u++) {
-            const int i = base + u * nt;
-            if (i < total) {
-                const int k = i < p1 ? 0 : i < p2 ? 1 : i < p3 ? 2 : 3;
-                const int j = i - (k == 0 ? 0 : k == 1 ? p1 : k == 2 ? p2 : p3);
-                const int d = k == 0 ? R.dst[0] : k == 1 ? R.dst[1] : k == 2 ? R.dst[2] : R.dst[3];
-                *(uint4*)(SMEM + d + 16 * j) = v[u];
+            if (base + u * nt < total) {
+                range_chunk(R, p1, p2, p3, base + u * nt, src, dst);
+                *(uint4*)(SMEM + dst) = v[u];
             }
         }
     }
