@@ -59,13 +59,26 @@ def _step_tokens(v: str) -> int | None:
         raise argparse.ArgumentTypeError(f"'{v}': a number of tokens, or auto") from None
 
 
+def _ple_cache(v: str) -> float | None:
+    """--ple-cache-mib: MiB, or auto (None: the whole table when it takes at most a quarter of the RAM)."""
+    if v == "auto":
+        return None
+    try:
+        mib = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{v}': MiB, or auto") from None
+    if mib < 0:
+        raise argparse.ArgumentTypeError(f"'{v}': MiB must be 0 or more")
+    return mib
+
+
 def _host(a):
     from strata.engine import HostConfig
     ctx = {} if a.ctx is None else {"max_ctx": a.ctx}       # the CUDA KV cache holds the context asked for
     host = None if a.host_budget_gib is None else int(a.host_budget_gib * (1 << 30))
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host,
-                      ple_cache_bytes=int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch,
+                      ple_cache_bytes=None if a.ple_cache_mib is None else int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch,
                       stream_experts=a.stream_experts, map_experts=a.map_experts, **ctx)
 
 
@@ -313,8 +326,10 @@ def _engine_options(g) -> None:
                         "graph whose kernels read the VRAM cache's experts in place and the misses from pinned host "
                         "memory over PCIe (misses are promoted into the cache while the next token runs), instead of "
                         "a host round trip per layer; auto: by each mode's measured time per token")
-    g.add_argument("--ple-cache-mib", type=float, default=64.0,
-                   help="hot PLE table rows kept in RAM (0: every row is read from the file)")
+    g.add_argument("--ple-cache-mib", type=_ple_cache, default="auto", metavar="MIB|auto",
+                   help="PLE table rows kept in RAM: a hot-row cache of MIB (0: every row is read from the file), "
+                        "the whole table (read at open) when MIB is at least its size; auto: the whole table when it "
+                        "takes at most a quarter of the RAM, else 64")
     g.add_argument("--step-tokens", type=_step_tokens, default="auto", metavar="N|auto",
                    help="tokens per step at most: decode rows first, then prompt chunks (on CUDA also the "
                         "batched path's largest step); auto: 4096 on CUDA with every weight in VRAM, else 512")

@@ -149,7 +149,8 @@ async def test_finish_reasons(tiny_gguf):
 async def test_read_error_reaches_every_stream_and_engine_recovers(module, tiny_gguf, monkeypatch):
     """A failing pread of a PLE row or an expert blob: every open stream raises, then the engine works again."""
     import importlib
-    e = await Engine.open(tiny_gguf, host=HostConfig(host_budget_bytes=0))   # experts are read on every use
+    # experts and PLE rows are read on every use
+    e = await Engine.open(tiny_gguf, host=HostConfig(host_budget_bytes=0, ple_cache_bytes=0))
     try:
         expected = await tokens_of(e, *PROMPTS[0])
         mod = importlib.import_module(f"strata.host.{module}")

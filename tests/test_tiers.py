@@ -98,6 +98,7 @@ CASES = [
      False),
     ("SSD every use, cells (bounce)", dict(host_budget_blobs=0, ple_cache_bytes=0), False, True),
     ("RAM + SSD, cells (bounce)", dict(host_budget_blobs=40, ple_cache_bytes=1 << 20), False, True),
+    ("RAM + SSD, the whole PLE table in RAM", dict(host_budget_blobs=40, ple_cache_bytes=1 << 40), False, False),
 ]
 
 
@@ -128,7 +129,10 @@ async def test_tier_paths_equal_all_in_ram(label, fields, refuse, cells, mix, ti
             assert len(store) == 0 and store.ram_hits == 0 and store.peak_bytes == 0
         else:                     # a layer's experts exceed the budget: hits, evictions and re-reads all happen
             assert store.ram_hits > 0 and store.reads > len(store) and store.peak_bytes <= budget
-        if fields["ple_cache_bytes"]:
+        if fields["ple_cache_bytes"] >= ple.table_bytes:     # read once, at open: every step's rows from RAM
+            assert ple.table is not None and ple.cache is None
+            assert ple.hits == ple.rows_asked > 0 and ple.ssd_bytes >= ple.table_bytes
+        elif fields["ple_cache_bytes"]:
             assert 0 < ple.hits < ple.rows_asked and ple.cache.nbytes <= fields["ple_cache_bytes"]
         else:
             assert ple.hits == 0 and ple.ssd_bytes > 0
@@ -169,6 +173,12 @@ def test_every_blob_and_row_equals_the_file(mode, realistic_tiny):
                 want = dequantize(raw, table.qtype).reshape(len(rows), -1)
                 assert np.array_equal(ple.read_rows(rows).e, want)
         assert ple.hits > 0
+        assert ple.load_table() >= table.nbytes and ple.table.shape == (n_rows, table.row_bytes)
+        for rows in (np.arange(n_rows - 40, n_rows), rng.choice(n_rows, 300, replace=False)):
+            raw = np.stack([table.data[r * table.row_bytes:(r + 1) * table.row_bytes] for r in rows])
+            fut = ple.start(rows)                               # gathered on this thread: done when returned
+            assert fut.done() and np.array_equal(fut.result().e, dequantize(raw, table.qtype).reshape(len(rows), -1))
+            assert fut.result().nbytes == 0 and fut.result().hits == len(rows)
     finally:
         store.close()
         ple.close()
@@ -347,7 +357,7 @@ async def test_preloaded_experts_are_ram_hits_with_no_reads_traced(tiny_gguf, tm
         await tokens_of(e, "Once upon a time")
     recs = load(str(trace))
     assert all(r["tiers"]["ssd"] == 0 and r["tiers"]["ram"] > 0 for r in recs)
-    assert not any(x[0] == "expert" for r in recs for x in r["io"])
+    assert not any(x[0] in ("expert", "ple") for r in recs for x in r["io"])      # the PLE table was preloaded too
 
 
 def test_io_time_split():
@@ -415,7 +425,9 @@ async def test_open_line_says_tiers_reads_and_peak_rss(tiny_gguf):
     async with await Engine.open(tiny_gguf, host=HostConfig(host_budget_bytes=1 << 20), log=lines.append) as e:
         assert lines == [e.open_line]
     assert lines[0].startswith(f"opened {tiny_gguf}: experts: 0 VRAM slots, RAM tier 0.00 GiB")
-    assert "PLE hot-row cache 64 MiB" in lines[0] and "reads: O_DIRECT" in lines[0] and "), peak " in lines[0]
+    assert "PLE table in RAM 0 MiB" in lines[0] and "reads: O_DIRECT" in lines[0] and "), peak " in lines[0]
+    async with await Engine.open(tiny_gguf, host=HostConfig(ple_cache_bytes=64 << 10), log=lines.append) as e:
+        assert "PLE hot-row cache 0 MiB" in e.open_line                  # 64 KiB: less than the table
 
 
 def test_cli_tier_flags(capsys):
@@ -423,7 +435,7 @@ def test_cli_tier_flags(capsys):
         cli.main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--host-budget-gib" in out and "(default: every expert, at most half the RAM)" in out
-    assert "--ple-cache-mib" in out and "(default: 64.0)" in out
+    assert "--ple-cache-mib MIB|auto" in out and "(default: auto)" in out
     seen = {}
 
     class Stop(Exception):

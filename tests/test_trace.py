@@ -92,7 +92,8 @@ def test_load_names_a_broken_line(tmp_path):
 @pytest.mark.parametrize("experts", ["host", "mapped"])
 async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys, experts):
     path = tmp_path / "trace.jsonl"
-    async with await Engine.open(tiny_gguf, trace=path, host=HostConfig(experts=experts)) as e:
+    # PLE rows read from the file (no RAM cache), so that each step traces its reads
+    async with await Engine.open(tiny_gguf, trace=path, host=HostConfig(experts=experts, ple_cache_bytes=0)) as e:
         async for _ in e.generate("Once upon a time", SamplingParams(max_tokens=5, stop_at_eos=False)):
             pass
     recs = load(str(path))

@@ -31,7 +31,7 @@ import numpy as np
 from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
 from strata.host.direct_io import rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
-from strata.host.ple_io import PleReader
+from strata.host.ple_io import PLE_CACHE, PleReader, ram_bytes
 from strata.host.prefix import Prefix, PrefixCache
 from strata.diagnose import first_nonfinite
 from strata.host.trace import KINDS, StepTrace, Tracer, clock
@@ -98,7 +98,10 @@ class HostConfig:
                                             # arena (dense weights, KV, expert cache slots) gets what is left
     host_budget_bytes: int | None = None    # the RAM tier: expert blobs kept in host memory (an LRU; misses are
                                             # read from the file); None: all experts, at most half the RAM
-    ple_cache_bytes: int = 64 << 20         # hot PLE table rows kept in RAM (0: every row is read from the file)
+    ple_cache_bytes: int | None = None      # PLE table rows kept in RAM: a hot-row cache of this size (0: every
+                                            # row is read from the file); at least the table's size: the whole
+                                            # table, read at open. None: the whole table when it takes at most a
+                                            # quarter of the RAM, else PLE_CACHE (strata.host.ple_io)
     direct_io: bool = True                  # file reads (expert blobs, PLE rows) with O_DIRECT, past the page
                                             # cache; False, or a filesystem that refuses it: buffered pread
     cpu_threads: int | None = None          # CPU expert pool; None: one per core
@@ -287,9 +290,17 @@ class Scheduler:
         self._map_routes: tuple[np.ndarray, np.ndarray] | None = None    # the last mapped token's, to promote
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
-        self.ple = PleReader(model.file.path, model.file.tensor("per_layer_token_embd.weight"),
-                             ThreadPoolExecutor(1, thread_name_prefix="strata-ple"), direct=host.direct_io,
-                             cache_bytes=host.ple_cache_bytes, threads=host.io_threads) if has_ple else None
+        self.ple = None
+        if has_ple:
+            table = model.file.tensor("per_layer_token_embd.weight")
+            budget = host.ple_cache_bytes
+            if budget is None:
+                budget = table.nbytes if table.nbytes <= ram_bytes() // 4 else PLE_CACHE
+            whole = budget >= table.nbytes             # the whole table in RAM: no hot-row cache beside it
+            self.ple = PleReader(model.file.path, table, ThreadPoolExecutor(1, thread_name_prefix="strata-ple"),
+                                 direct=host.direct_io, cache_bytes=0 if whole else budget, threads=host.io_threads)
+            if whole:
+                self.ple.load_table()
         self.ple_layer = self.cfg.ple_layers[0] if has_ple else -1
         self.prefixes = (PrefixCache(host.prefix_cache_bytes)
                          if host.prefix_cache_bytes > 0 and hasattr(backend, "snapshot") else None)
@@ -322,7 +333,9 @@ class Scheduler:
         where = getattr(self.backend, "experts", "host")
         tier = (f"experts all resident in the {self.backend.name} backend ({where})" if where in ("mapped", "vram")
                 else f"experts: {self.cache.slots} VRAM slots, RAM tier {s.budget / gib:.2f} GiB, then the file")
-        ple = "" if self.ple is None else f"; PLE hot-row cache {getattr(self.ple.cache, 'nbytes', 0) / mib:.0f} MiB"
+        ple = "" if self.ple is None else (
+            f"; PLE table in RAM {self.ple.table_bytes / mib:.0f} MiB" if self.ple.table is not None
+            else f"; PLE hot-row cache {getattr(self.ple.cache, 'nbytes', 0) / mib:.0f} MiB")
         return (f"{tier}{ple}; reads: {s.file.mode}; RSS {m.get('rss', m['peak']) / gib:.2f} GiB (anonymous "
                 f"{m.get('anon', 0) / gib:.2f}, mapped file {m.get('file', 0) / gib:.2f}), peak {m['peak'] / gib:.2f} "
                 f"GiB")
