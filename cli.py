@@ -59,6 +59,19 @@ def _step_tokens(v: str) -> int | None:
         raise argparse.ArgumentTypeError(f"'{v}': a number of tokens, or auto") from None
 
 
+def _promote(v: str) -> int | None:
+    """--promote-per-layer: a count, or all (None)."""
+    if v == "all":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{v}': a number of experts, or all") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"'{v}': 0 or more")
+    return n
+
+
 def _ple_cache(v: str) -> float | None:
     """--ple-cache-mib: MiB, or auto (None: the whole table when it takes at most a quarter of the RAM)."""
     if v == "auto":
@@ -76,10 +89,11 @@ def _host(a):
     from strata.engine import HostConfig
     ctx = {} if a.ctx is None else {"max_ctx": a.ctx}       # the CUDA KV cache holds the context asked for
     host = None if a.host_budget_gib is None else int(a.host_budget_gib * (1 << 30))
+    ple = None if a.ple_cache_mib is None else int(a.ple_cache_mib * (1 << 20))
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
-                      step_tokens=a.step_tokens, host_budget_bytes=host,
-                      ple_cache_bytes=None if a.ple_cache_mib is None else int(a.ple_cache_mib * (1 << 20)), prefetch=a.prefetch,
-                      stream_experts=a.stream_experts, map_experts=a.map_experts, **ctx)
+                      step_tokens=a.step_tokens, host_budget_bytes=host, ple_cache_bytes=ple, prefetch=a.prefetch,
+                      stream_experts=a.stream_experts, map_experts=a.map_experts,
+                      promote_per_layer=a.promote_per_layer, **ctx)
 
 
 def _log(line: str) -> None:
@@ -326,6 +340,9 @@ def _engine_options(g) -> None:
                         "graph whose kernels read the VRAM cache's experts in place and the misses from pinned host "
                         "memory over PCIe (misses are promoted into the cache while the next token runs), instead of "
                         "a host round trip per layer; auto: by each mode's measured time per token")
+    g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
+                   help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
+                        "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")
     g.add_argument("--ple-cache-mib", type=_ple_cache, default="auto", metavar="MIB|auto",
                    help="PLE table rows kept in RAM: a hot-row cache of MIB (0: every row is read from the file), "
                         "the whole table (read at open) when MIB is at least its size; auto: the whole table when it "

@@ -74,6 +74,29 @@ async def test_mapped_tokens_keep_parity(mix, exact, tiny_gguf, realistic_gguf):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("cap", [0, 1])
+async def test_promotions_per_layer_are_capped(cap, realistic_gguf):
+    """HostConfig.promote_per_layer: after each mapped token at most `cap` of a layer's misses are loaded into the
+    cache (0: none, the cache keeps what it had); the logits are the reference's all the same."""
+    model = load_model(realistic_gguf)
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    be = Spy(model, 32)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=32 * blob, map_experts="always",
+                                            promote_per_layer=cap))
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
+        per = {}
+        for at, layer, _, _ in be.loads:
+            per[at, layer] = per.get((at, layer), 0) + 1
+        assert max(per.values(), default=0) <= cap and (cap == 0) == (not be.loads)
+        res = np.stack([r for _, r in be.tokens])
+        assert not res.all()                               # misses were read from host memory
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
 async def test_mapped_waits_for_the_whole_store(realistic_gguf):
     """Until the RAM tier holds every expert, rows go layer by layer (the split); after the preload they map."""
     model = load_model(realistic_gguf)
@@ -204,6 +227,8 @@ def test_cache_twin_protocol(realistic_gguf):
 def test_host_config_checks_map_experts():
     with pytest.raises(ValueError, match="map_experts"):
         HostConfig(map_experts="sometimes")
+    with pytest.raises(ValueError, match="promote_per_layer"):
+        HostConfig(promote_per_layer=-1)
 
 
 def test_token_counts_equal_layer_records():

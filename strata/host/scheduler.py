@@ -137,6 +137,9 @@ class HostConfig:
                                             # misses are promoted into the cache while the next token runs), or
                                             # layer by layer (split) if that measures faster per token; "always",
                                             # "never"
+    promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
+                                            # token runs, at most this many per layer (None: every one the cache
+                                            # takes); the copies share PCIe with that token's in-place reads
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
@@ -147,6 +150,8 @@ class HostConfig:
             raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
+        if self.promote_per_layer is not None and self.promote_per_layer < 0:
+            raise ValueError(f"HostConfig.promote_per_layer = {self.promote_per_layer}: 0 or more, or None")
 
 
 @dataclass(frozen=True)
@@ -924,14 +929,17 @@ class Scheduler:
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
         """A mapped token's misses into the VRAM cache (LRU, its hits made most recently used first), each copied
-        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them."""
-        be, cache = self.backend, self.cache
+        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them. At
+        most HostConfig.promote_per_layer a layer, in route order."""
+        be, cache, cap = self.backend, self.cache, self.host.promote_per_layer
         cache.touch_token(ids, res)
         for il in range(ids.shape[0]):
             miss = ids[il][~res[il]]
             if not miss.size:
                 continue
             lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
+            if cap is not None:
+                lack = lack[:cap]
             keep, nbytes = set(ids[il].tolist()), self._blob_bytes[il]
             for e in lack.tolist():
                 slot = cache.place(il, e, nbytes, keep)
