@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # llama-bench with CUDA, built on the GPU machine from the llama.cpp source carried at .llama/llama-src.tar.xz
 # (llama-cpp-python 0.3.36's vendor/llama.cpp, trimmed; bench/llama_src.sh makes it where pip reaches PyPI):
-# Hopper only, static libraries, the host CPU's own instructions (the --n-cpu-moe runs compute experts on it). Writes .llama/llama-bench.xz, and with $OUT set a copy
-# there in parts of at most 15 MiB (the device tool brings back files of up to 16 MiB): join them with cat.
+# Hopper only, static libraries, the host CPU's own instructions (the --n-cpu-moe runs compute experts on it).
+# Writes .llama/llama-bench.xz, and with $OUT set a copy there in parts of at most 15 MiB (the device tool brings
+# back files of up to 16 MiB): join them with cat.
 #   bash bench/build_llama.sh          (JOBS=N compile jobs, default one per core)
 set -o pipefail
 cd "$(dirname "$0")/.."
