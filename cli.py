@@ -49,40 +49,24 @@ def _write_progress(label: str):
     return report
 
 
-def _step_tokens(v: str) -> int | None:
-    """--step-tokens: a count, or auto (None: the engine's default)."""
-    if v == "auto":
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{v}': a number of tokens, or auto") from None
+def _number_or(word: str, kind, what: str, least: float | None = None):
+    """An argparse type: `word` (None: the engine's default), or a `kind` number (at least `least`)."""
+    def parse(v: str):
+        if v == word:
+            return None
+        try:
+            n = kind(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{v}': {what}, or {word}") from None
+        if least is not None and n < least:
+            raise argparse.ArgumentTypeError(f"'{v}': {what} must be {least:g} or more")
+        return n
+    return parse
 
 
-def _promote(v: str) -> int | None:
-    """--promote-per-layer: a count, or all (None)."""
-    if v == "all":
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{v}': a number of experts, or all") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"'{v}': 0 or more")
-    return n
-
-
-def _ple_cache(v: str) -> float | None:
-    """--ple-cache-mib: MiB, or auto (None: the whole table when it takes at most a quarter of the RAM)."""
-    if v == "auto":
-        return None
-    try:
-        mib = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{v}': MiB, or auto") from None
-    if mib < 0:
-        raise argparse.ArgumentTypeError(f"'{v}': MiB must be 0 or more")
-    return mib
+_step_tokens = _number_or("auto", int, "a number of tokens", 1)        # --step-tokens
+_promote = _number_or("all", int, "a number of experts", 0)            # --promote-per-layer
+_ple_cache = _number_or("auto", float, "MiB", 0)                       # --ple-cache-mib
 
 
 def _host(a):
