@@ -150,7 +150,7 @@ class Engine:
                              f"(HostConfig.max_ctx)")
         default = self.cfg.n_ctx_train or DEFAULT_CTX
         self.n_ctx = n_ctx or (min(default, limit) if limit is not None else default)
-        self.scheduler = Scheduler(model, self.backend, host, Tracer(os.fspath(trace) if trace else None), exact)
+        self.scheduler = Scheduler(model, self.backend, host, Tracer(os.fspath(trace) if trace else None), exact, log)
         self.open_line = f"opened {model.file.path}: {self.scheduler.memory_line()}"
         if log is not None:
             log(self.open_line)

@@ -430,6 +430,16 @@ async def test_open_line_says_tiers_reads_and_peak_rss(tiny_gguf):
         assert "PLE hot-row cache 0 MiB" in e.open_line                  # 64 KiB: less than the table
 
 
+@pytest.mark.asyncio
+async def test_a_large_ple_table_is_announced_before_it_is_read(tiny_gguf, monkeypatch):
+    import strata.host.scheduler as sched_mod
+    monkeypatch.setattr(sched_mod, "PLE_ANNOUNCE", 1)            # tiny's table: "large" for this test
+    lines = []
+    async with await Engine.open(tiny_gguf, log=lines.append) as e:
+        assert len(lines) == 2 and lines[1] == e.open_line and e.scheduler.ple.table is not None
+        assert lines[0].startswith("reading the PLE table whole into RAM") and "--ple-cache-mib 64" in lines[0]
+
+
 def test_cli_tier_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--help"])

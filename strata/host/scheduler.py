@@ -63,6 +63,8 @@ class PollPolicy:
 
 
 H2D_BYTES_PER_S = 25e9     # an upload's copy rate where the backend measured none (PCIe 4 x16 from pinned memory)
+
+
 def _size_class(T: int) -> int:
     """Steps whose costs are kept together: T rounded up to a power of two."""
     return 1 << max(T - 1, 0).bit_length()
@@ -81,6 +83,7 @@ RAMP_FIRST = 512           # a prompt's first chunk at most this many rows; then
                            # read while the one before computes, so only the first chunk's reads are exposed
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
+PLE_ANNOUNCE = 1 << 30     # a whole PLE table this large is announced before it is read (seconds at open)
 
 
 def retry_interval(best: float, other: float) -> int:
@@ -255,7 +258,8 @@ class Scheduler:
     task."""
 
     def __init__(self, model: Model, backend: Backend, host: HostConfig = HostConfig(), tracer: Tracer | None = None,
-                 exact: bool = False):
+                 exact: bool = False, log=None):
+        """log(line): long work at open is announced through it (reading the whole PLE table)."""
         self.cfg, self.backend, self.host = model.cfg, backend, host
         self.model = model
         self.poll = host.poll
@@ -305,6 +309,9 @@ class Scheduler:
             self.ple = PleReader(model.file.path, table, ThreadPoolExecutor(1, thread_name_prefix="strata-ple"),
                                  direct=host.direct_io, cache_bytes=0 if whole else budget, threads=host.io_threads)
             if whole:
+                if log is not None and table.nbytes >= PLE_ANNOUNCE:
+                    log(f"reading the PLE table whole into RAM ({table.nbytes / 2**30:.1f} GiB; --ple-cache-mib "
+                        f"{PLE_CACHE >> 20} keeps a hot-row cache instead)")
                 self.ple.load_table()
         self.ple_layer = self.cfg.ple_layers[0] if has_ple else -1
         self.prefixes = (PrefixCache(host.prefix_cache_bytes)
