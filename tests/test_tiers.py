@@ -440,6 +440,28 @@ async def test_a_large_ple_table_is_announced_before_it_is_read(tiny_gguf, monke
         assert lines[0].startswith("reading the PLE table whole into RAM") and "--ple-cache-mib 64" in lines[0]
 
 
+def test_a_read_error_in_the_whole_table_fails_the_open_and_releases_it(tiny_gguf, monkeypatch):
+    """The PLE table read at open fails: the open raises an OSError naming the file, the backend and the
+    scheduler's pools and files are closed; the next open works."""
+    closed = []
+    at = load_model(tiny_gguf).file.tensor("per_layer_token_embd.weight").offset
+    real = os.preadv
+
+    def fail(fd, bufs, offset):                                    # the read that covers the table's first byte
+        if offset <= at < offset + sum(len(b) for b in bufs):
+            raise OSError(5, "Input/output error (injected)")
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(direct_io.os, "preadv", fail)               # under pread_into, which names the file
+    monkeypatch.setattr(CpuBackend, "close", lambda self: closed.append(self))
+    with pytest.raises(OSError, match=f"{tiny_gguf}: reading the PLE table .*Input/output error"):
+        Engine.open_sync(tiny_gguf)
+    assert len(closed) == 1
+    monkeypatch.undo()
+    e = Engine.open_sync(tiny_gguf)
+    assert e.scheduler.ple.table is not None
+    e.close()
+
+
 def test_cli_tier_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--help"])

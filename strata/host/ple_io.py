@@ -16,9 +16,9 @@ Python object counts against the budget unseen.
 
 The whole table in RAM (load_table; HostConfig.ple_cache_bytes at least the table's size, or by default when it
 takes at most a quarter of the RAM): a step's rows are then a gather and a dequantization on the caller's thread,
-with no read and no thread handoff. On the H200
-the rows of a decode token waited 1.0-1.7 ms on O_DIRECT reads and the hot-row cache (bench/RESULTS.md), 8-15% of
-a token with every weight in VRAM; the table is 2.9 GB in the benches' files and 28.8 GB in the real model's.
+with no read and no thread handoff. On the H200 the rows of a decode token waited 1.0-1.7 ms on O_DIRECT reads and
+the hot-row cache (bench/RESULTS.md), 8-15% of a token with every weight in VRAM; the table is 2.9 GB in the
+benches' files and 28.8 GB in the real model's.
 
 A read error, a short read, or a file changed since it was opened (FileGuard: size, mtime) is an OSError naming the
 file, which fails the requests of the step that needed the rows.

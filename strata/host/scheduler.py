@@ -308,11 +308,6 @@ class Scheduler:
             whole = budget >= table.nbytes             # the whole table in RAM: no hot-row cache beside it
             self.ple = PleReader(model.file.path, table, ThreadPoolExecutor(1, thread_name_prefix="strata-ple"),
                                  direct=host.direct_io, cache_bytes=0 if whole else budget, threads=host.io_threads)
-            if whole:
-                if log is not None and table.nbytes >= PLE_ANNOUNCE:
-                    log(f"reading the PLE table whole into RAM ({table.nbytes / 2**30:.1f} GiB; --ple-cache-mib "
-                        f"{PLE_CACHE >> 20} keeps a hot-row cache instead)")
-                self.ple.load_table()
         self.ple_layer = self.cfg.ple_layers[0] if has_ple else -1
         self.prefixes = (PrefixCache(host.prefix_cache_bytes)
                          if host.prefix_cache_bytes > 0 and hasattr(backend, "snapshot") else None)
@@ -327,6 +322,15 @@ class Scheduler:
         self._closed: EngineClosed | None = None
         self._shut = False
         self._diagnoses: set[asyncio.Task] = set()     # errors on their way to released requests
+        if self.ple is not None and whole:
+            if log is not None and table.nbytes >= PLE_ANNOUNCE:
+                log(f"reading the PLE table whole into RAM ({table.nbytes / 2**30:.1f} GiB; --ple-cache-mib "
+                    f"{PLE_CACHE >> 20} keeps a hot-row cache instead)")
+            try:
+                self.ple.load_table()
+            except BaseException:            # a read error at open: the backend, pools and files are released
+                self.shutdown()
+                raise
 
     # ---- the API -------------------------------------------------------------------------------------------------
     @property
