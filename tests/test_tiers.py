@@ -419,6 +419,15 @@ def test_refused_o_direct_falls_back_with_one_note(tiny_gguf, monkeypatch, caplo
     f.close()
 
 
+def test_a_failing_first_read_names_the_file(tiny_gguf, monkeypatch):
+    """An I/O error (not a refusal of O_DIRECT) in open_file's probe read is the file's error, named."""
+    def fail(*args):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(direct_io.os, "preadv", fail)
+    with pytest.raises(OSError, match=f"{tiny_gguf}: reading its first block: Input/output error"):
+        open_file(str(tiny_gguf))
+
+
 @pytest.mark.asyncio
 async def test_open_line_says_tiers_reads_and_peak_rss(tiny_gguf):
     lines = []

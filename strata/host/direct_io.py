@@ -75,14 +75,19 @@ class DataFile:
             self.fd = -1
 
 
+REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)      # a filesystem's answers to O_DIRECT it does not do
+
+
 def _open_direct(path: str) -> int:
     """An O_DIRECT descriptor of path; OSError where the filesystem refuses (probed with one aligned read)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         os.preadv(fd, [memoryview(aligned_empty(ALIGN))], 0)
-    except OSError:
+    except OSError as e:
         os.close(fd)
-        raise
+        if e.errno in REFUSED:
+            raise
+        raise OSError(e.errno, f"{path}: reading its first block: {e.strerror}") from e     # the file's own error
     return fd
 
 
@@ -93,7 +98,7 @@ def open_file(path: str, direct: bool = True) -> DataFile:
         try:
             return DataFile(path, _open_direct(path), True, "O_DIRECT (page cache bypassed)")
         except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            if e.errno not in REFUSED:
                 raise
             why = f"the filesystem refused O_DIRECT ({errno.errorcode.get(e.errno, e.errno)})"
             if why not in _noted:
