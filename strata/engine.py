@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata.host.backend import Backend, BudgetTooSmall, CpuBackend
+from strata.host.direct_io import ram_bytes
 from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError, Finished, HostConfig,
                                    PollPolicy, Progress, Scheduler, Timings, TokenOut)
 from strata.host.trace import Tracer
@@ -74,7 +75,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
         experts = host.experts
         if experts == "auto":          # the mapping holds every expert: mapped, unless a host budget asks for less
             need = sum(t.nbytes for n, t in model.file.tensors.items() if "_exps." in n)
-            room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+            room = ram_bytes() // 2
             fits = need <= room and (host.host_budget_bytes is None or need <= host.host_budget_bytes)
             experts = "mapped" if fits else "host"
         if experts not in ("mapped", "vram", "host"):

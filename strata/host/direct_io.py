@@ -124,6 +124,11 @@ def pread_into(fd: int, buf: np.ndarray, offset: int, path: str, what: str, need
         done += n
 
 
+def ram_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set: VmHWM (anonymous memory and the mapped file pages it touched; ~20 us to
     read). Not getrusage's ru_maxrss where /proc has it: Linux carries that across exec, so a process started by

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from strata.host.direct_io import aligned_empty, open_file, pread_into, spans
+from strata.host.direct_io import aligned_empty, open_file, pread_into, ram_bytes, spans
 from strata.host.trace import clock
 from strata.model.gguf_file import FileGuard
 from strata.model.loader import Model
@@ -144,7 +144,7 @@ class ExpertStore:
         self.fd = self.file.fd
         if budget_bytes is None:
             everything = sum(self.mem_bytes(il, e) for il in range(len(layout.layers)) for e in range(n_expert))
-            budget_bytes = min(everything, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+            budget_bytes = min(everything, ram_bytes() // 2)
         self.budget = budget_bytes
         self.guard = FileGuard(self.fd, path)       # a changed file fails the read, not the process
         self.bytes = self.peak_bytes = 0            # the LRU's memory, and its high-water mark

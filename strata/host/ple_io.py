@@ -45,11 +45,6 @@ LOAD_CHUNK = 64 << 20      # load_table's reads
 PLE_CACHE = 64 << 20       # the hot-row cache when the whole table is not held (HostConfig.ple_cache_bytes=None)
 
 
-def ram_bytes() -> int:
-    """The machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 @dataclass(frozen=True)
 class PleRows:
     """Table rows read for a step, and how the read went."""

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
-from strata.host.direct_io import rss_bytes
+from strata.host.direct_io import ram_bytes, rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
-from strata.host.ple_io import PLE_CACHE, PleReader, ram_bytes
+from strata.host.ple_io import PLE_CACHE, PleReader
 from strata.host.prefix import Prefix, PrefixCache
 from strata.diagnose import first_nonfinite
 from strata.host.trace import KINDS, StepTrace, Tracer, clock
