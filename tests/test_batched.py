@@ -231,19 +231,20 @@ async def test_default_step_tokens(tiny_gguf):
 
 @pytest.mark.asyncio
 async def test_prompt_chunks_ramp_up(tiny_gguf, tmp_path, monkeypatch):
-    """With PLE rows to read, a prompt's chunks start at RAMP_FIRST rows and double up to step_tokens (only the
-    first chunk's reads are exposed); the tokens equal those of even chunks."""
+    """With PLE rows to read from the file (no table in RAM: ple_cache_bytes=0), a prompt's chunks start at
+    RAMP_FIRST rows and double up to step_tokens (only the first chunk's reads are exposed); the tokens equal those
+    of even chunks."""
     from strata.host import scheduler as sch
     from strata.host.trace import load
     prompt = list(range(40, 70))                                  # 30 tokens: chunks 2, 4, 8, 8, 8
     params = SamplingParams(max_tokens=6, stop_at_eos=False)
     monkeypatch.setattr(sch, "RAMP_FIRST", 8)
-    async with await Engine.open(tiny_gguf, host=HostConfig(step_tokens=8)) as e:
+    async with await Engine.open(tiny_gguf, host=HostConfig(step_tokens=8, ple_cache_bytes=0)) as e:
         assert e.scheduler.ple is not None                       # the tiny model reads PLE rows
         even = [c.token async for c in e.generate(prompt, params) if c.token is not None]
     monkeypatch.setattr(sch, "RAMP_FIRST", 2)
     trace = tmp_path / "t.jsonl"
-    async with await Engine.open(tiny_gguf, host=HostConfig(step_tokens=8), trace=str(trace)) as e:
+    async with await Engine.open(tiny_gguf, host=HostConfig(step_tokens=8, ple_cache_bytes=0), trace=str(trace)) as e:
         ramped = [c.token async for c in e.generate(prompt, params) if c.token is not None]
     chunks = [row[2] for r in load(str(trace)) for row in r["rows"] if row[1] == "prompt"]
     assert chunks == [2, 4, 8, 8, 8]

@@ -77,10 +77,10 @@ STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig
 STEP_TOKENS_VRAM = 4096    # ... and on CUDA with every weight in VRAM: a 4096-row chunk's graph runs ~2x the rows
                            # per second of a 512-row one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py), and
                            # its 3.6 GiB of activations (flash) crowd out no expert cache there
-RAMP_FIRST = 512           # a prompt's first chunk at most this many rows; then each chunk doubles, up to step_tokens:
-                           # a chunk waits for its PLE rows, read from the SSD (4 KiB each, ~41K a second at depth
-                           # 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and each later chunk's are
-                           # read while the one before computes, so only the first chunk's reads are exposed
+RAMP_FIRST = 512           # where PLE rows are read from the file, a prompt's first chunk at most this many rows;
+                           # then each chunk doubles, up to step_tokens: a chunk waits for its PLE rows (4 KiB each,
+                           # ~41K a second at depth 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and
+                           # each later chunk's are read while the one before computes, so only the first's are exposed
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 PLE_ANNOUNCE = 1 << 30     # a whole PLE table this large is announced before it is read (seconds at open)
@@ -517,8 +517,9 @@ class Scheduler:
 
     def _chunk_cap(self, req: Request, ahead: int = 0) -> int:
         """The most rows of req's prompt chunk `ahead` chunks after its next one: RAMP_FIRST doubling per chunk up
-        to step_tokens when the model reads PLE rows (req.steps counts the chunks fed while it prefills)."""
-        if self.ple is None or self.step_tokens <= RAMP_FIRST:
+        to step_tokens when the model's PLE rows are read from the file (req.steps counts the chunks fed while it
+        prefills); with the table in RAM there is no read to hide, and a chunk is step_tokens rows from the first."""
+        if self.ple is None or self.ple.table is not None or self.step_tokens <= RAMP_FIRST:
             return self.step_tokens
         return min(self.step_tokens, RAMP_FIRST << min(req.steps + ahead, 16))
 
