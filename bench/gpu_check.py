@@ -8,6 +8,8 @@ tests     pytest of tests/test_cuda_kernels.py and tests/test_cuda_backend.py
 gemv      GB/s of the GEMV kernels at the flash shapes, per weight type: random valid blocks, enough copies of each
           matrix to rotate through more than twice the L2 (120 MB), a captured graph of back-to-back launches
           timed with events (median of 15 replays, per launch), next to 4.2 TB/s
+qsa       QSA attention (qsa_attn + qsa_combine) at the flash heads: a 4096-row prefill chunk past the budget at
+          two positions and one decode row, ms and fp32 TFLOP/s (phase_qsa)
 model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists (the
           bench phase runs it first when the file is missing)
 bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
@@ -302,6 +304,85 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
     RESULTS["gemv"] = {"rows": rows_out, "pdl": pdl_status(), "sweep": sweep_rows}
 
 
+def phase_qsa() -> None:
+    """QSA attention (qsa_attn + qsa_combine) at the flash heads (24 query heads of 256, 2 kv heads, a budget of
+    2048 cells): a 4096-row prefill chunk at positions 4096 and 28672 (every query past the budget: 512 selected
+    blocks + its tail, random selections) and one decode row at 8192, against a 32K-cell cache (128 MB of K and V,
+    past the L2). Median ms of 15 replays of a captured graph, after a warm-up."""
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena
+    from strata.cuda.graphs import Graph
+    from strata.kernels import Kernels
+    from strata.kernels import qsa as kqsa
+    from strata.model.synth import preset_config
+    cfg = preset_config("flash")
+    il = cfg.compress_ratios.index(4)
+    H, Hkv, D, ratio, topk = cfg.n_head, cfg.n_head_kv, cfg.head_dim, 4, cfg.block_topk(il)
+    dev = drv.Device.open()
+    K = Kernels(dev.arch)
+    stream = drv.Stream()
+    rng = np.random.default_rng(3)
+    max_ctx, rows_max = 32768, 4096
+    ld = max_ctx // ratio
+    A = Arena()
+    q = A.reserve("q", (rows_max, H, D))
+    Kc, Vc = A.reserve("Kc", (max_ctx, Hkv, D)), A.reserve("Vc", (max_ctx, Hkv, D))
+    qg, att = A.reserve("qg", (rows_max, H, 2 * D)), A.reserve("att", (rows_max, H * D))
+    sel, meta = A.reserve("sel", (rows_max, ld), np.int32), A.reserve("meta", (rows_max, 2), np.int32)
+    step = A.reserve("step", (16,), np.int32)
+    nsplit_max = 64
+    part = A.reserve("part", (rows_max * H * max(4, nsplit_max // rows_max) * (D + 2),))
+    A.commit()
+    for buf, shape in ((q, (rows_max, H, D)), (Kc, (max_ctx, Hkv, D)), (Vc, (max_ctx, Hkv, D)),
+                       (qg, (rows_max, H, 2 * D))):
+        buf.upload(rng.standard_normal(shape).astype(np.float32))
+    out = []
+    for label, pos, rows, nsplit in (("prefill 4096 rows at 4096", 4096, 4096, 4), ("prefill 4096 rows at 28672",
+                                     28672, 4096, 4), ("decode 1 row at 8192", 8192, 1, nsplit_max)):
+        s_host = np.zeros((rows, ld), np.int32)
+        m_host = np.zeros((rows, 2), np.int32)
+        for r in range(rows):
+            t = pos + r
+            nb = (t + 1) // ratio
+            s_host[r, :topk] = np.sort(rng.choice(nb, topk, replace=False))
+            m_host[r] = topk, topk * ratio + (t + 1 - nb * ratio)
+        sel.upload(s_host)
+        meta.upload(m_host)
+        w = np.zeros(16, np.int32)
+        w[1], w[3], w[4] = pos, rows, 1
+        step.upload(w)
+        launches = [kqsa.attn_launch(K.fn("qsa", "qsa_attn"), "attn", cfg, il, q, Kc, Vc, sel, meta, part, step,
+                                     max_ctx, nsplit, rows, ld),
+                    kqsa.combine_launch(K.fn("qsa", "qsa_combine"), "combine", cfg, part, qg, att, nsplit, step, rows)]
+        times = {}
+        for name, ls in (("attn", launches[:1]), ("attn+combine", launches)):
+            graph = Graph(f"qsa {label}", stream, lambda ls=ls: [l.enqueue(stream) for l in ls])
+            e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
+            graph.launch(stream)
+            stream.synchronize("warm-up")
+            ts = []
+            for _ in range(15):
+                e0.record(stream)
+                graph.launch(stream)
+                e1.record(stream)
+                e1.synchronize("qsa bench")
+                ts.append(e1.elapsed_ms(e0))
+            graph.destroy()
+            e0.destroy()
+            e1.destroy()
+            times[name] = float(np.median(ts))
+        cells = int(m_host[:, 1].sum())
+        gflop = 4 * cells * H * D / 1e9          # q.k and p.v, 2 flops a multiply-add
+        out.append({"label": label, "rows": rows, "nsplit": nsplit, "cells": cells, "attn_ms": times["attn"],
+                    "attn_combine_ms": times["attn+combine"], "tflops": gflop / times["attn"],
+                    "block": launches[0].block[0]})
+        say(f"qsa {label}: attn {times['attn']:.3f} ms ({out[-1]['tflops']:.2f} TFLOP/s fp32), with combine "
+            f"{times['attn+combine']:.3f} ms; {launches[0].block[0]} threads a CTA")
+    A.free()
+    stream.destroy()
+    RESULTS.setdefault("qsa", []).append({"defines": os.environ.get("STRATA_KERNEL_DEFINES", ""), "rows": out})
+
+
 def phase_bench(long_ctx: int) -> None:
     from strata.cuda.backend import CudaBackend
     from strata.inspect import per_token_bytes
@@ -390,7 +471,7 @@ def table() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, model, bench")
+    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, model, bench")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
@@ -408,12 +489,14 @@ def main() -> None:
                 phase_tests(["tests/test_cuda_kernels.py", "tests/test_cuda_backend.py"])
             elif p == "gemv":
                 phase_gemv(a.sweep, a.once)
+            elif p == "qsa":
+                phase_qsa()
             elif p == "model":
                 phase_model()
             elif p == "bench":
                 phase_bench(a.long_ctx)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, gemv, model, bench")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, model, bench")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")

@@ -102,11 +102,21 @@ def _hf_stage_dump(model, tokens: list[int]) -> StageDump:
     return dump
 
 
+def _float64(model):
+    """A float64 copy of a transformers model (its grouped-matmul experts take no float64: the eager loop)."""
+    import copy
+    m = copy.deepcopy(model).double()
+    m.set_experts_implementation("eager")
+    return m
+
+
 def test_stage_dump_bisects(case, tmp_path):
     """The C1 oracle: every stage of every layer at every position equals transformers', and a broken weight is
-    reported at the first stage it touches."""
+    reported at the first stage it touches. Transformers runs in float64 here: on the deep model (torch 2.13,
+    transformers 5.23) its float32 run is 1.3e-4 of the stage's scale from ours at position 39, layer 6's GDN
+    mixer, where ours is 8.3e-5 from the float64 run: two float32 errors, not one, at this tolerance."""
     spec, model, tokens, gguf, _ = case
-    hf = _hf_stage_dump(model, tokens)
+    hf = _hf_stage_dump(_float64(model), tokens)
     ours = StageDump()
     Engine.open_sync(gguf).logits(tokens, dump=ours)
     ours.save(tmp_path / "d.npz")

@@ -26,6 +26,16 @@ def options() -> tuple[str, ...]:
     return OPTIONS + tuple("-D" + d for d in os.environ.get("STRATA_KERNEL_DEFINES", "").split())
 
 
+def define(name: str, default: int) -> int:
+    """The value a -D option of $STRATA_KERNEL_DEFINES gives `name`, else the source's default: for the launch
+    geometry that has to agree with a compile-time constant (qsa.cu's QSA_HW)."""
+    for d in os.environ.get("STRATA_KERNEL_DEFINES", "").split():
+        key, _, value = d.partition("=")
+        if key == name:
+            return int(value)
+    return default
+
+
 class KernelBuildError(RuntimeError):
     """NVRTC refused a source: the message holds its log."""
 

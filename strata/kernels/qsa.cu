@@ -231,92 +231,248 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_select(const float* __res
     }
 }
 
-// Split-K attention: grid (Hkv, nsplit), one warp per query head of the kv head's group (consecutive heads share
-// a kv head). Split sp takes cells [sp*per, (sp+1)*per) of the n_cells list; a warp keeps an online softmax
-// (m, l, acc) and writes it to part[(h * nsplit + sp) * (D + 2)] = {m, l, acc[D]} (m = -inf when empty).
+// Split-K attention: grid (Hkv, nsplit, rows), one warp per QSA_HW query heads of the kv head's group (consecutive
+// heads share a kv head); the CTA's warps share one copy of each cell's K and V rows, staged into shared memory
+// QSA_U cells a round, QSA_STAGES rounds in flight (cp.async), so a cell is read once for the whole group and the
+// copies of the next rounds overlap this one's arithmetic. Lane l holds dimensions [8l, 8l + 8) of its heads' q and
+// output. Split sp takes cells [sp*per, (sp+1)*per) of the n_cells list; each head's partial dots are summed over
+// the lanes by a reduce-scatter (each lane ends with a few of the round's sums), the scores meet in shared memory,
+// and every lane keeps the online softmax (m, l) of its warp's heads. The partials go to
+// part[(h * nsplit + sp) * (D + 2)] = {m, l, acc[D]} (m = -inf when empty).
 // grid.z = rows: row r (t = step[POS] + r) reads q + r H D, sel + r ld, meta + 2 r and writes part + r H nsplit (D+2).
-extern "C" __global__ void __launch_bounds__(1024) qsa_attn(const float* __restrict__ q, const float* __restrict__ Kc,
-                                                            const float* __restrict__ Vc, const i32* __restrict__ sel,
-                                                            const i32* __restrict__ meta, float* part,
-                                                            const i32* __restrict__ step, int Hkv, int D, int ratio,
-                                                            int nsplit, int ld) {
+// Dynamic shared memory (strata/kernels/qsa.py attn_smem): QSA_STAGES * QSA_U * 2 * D floats, then the split's
+// cell indices (at most `cap`, computed once: the runtime division by the ratio is not repeated per copy).
+// H200, flash heads, a 4096-row chunk past the budget (bench/gpu_check.py --phases qsa): 13.8 ms a layer; one warp
+// per head reading its cells from global memory (the design before) took 44.7-60.2, 6 heads a warp 14.1, staging
+// without the swizzle, the precomputed cells and the folded scale 19.7.
+#ifndef QSA_HW
+#define QSA_HW 4          // query heads per warp: 4 x 8 floats of q and of the output per lane
+#endif
+#ifndef QSA_U
+#define QSA_U 8           // cells a round
+#endif
+#ifndef QSA_STAGES
+#define QSA_STAGES 2      // rounds of K/V in shared memory (one computing, the rest arriving)
+#endif
+#define QSA_N (QSA_U * QSA_HW)
+static_assert(QSA_N % 8 == 0 && QSA_N <= 64, "qsa_attn: the reduce-scatter takes a multiple of 8 sums, 2 a lane");
+
+// Lane l's 8 dimensions of a row: [8l, 8l + 8), the two halves swapped on lanes with bit 2 set, so that the 8
+// lanes of each quarter-warp's 16-byte shared-memory reads cover 128 distinct bytes (no bank conflict). Register j
+// of a lane holds dimension qsa_dim(lane, j), the same for q, K, V and the output.
+__device__ __forceinline__ int qsa_dim(int lane, int j) { return 8 * lane + ((j >> 2) ^ ((lane >> 2) & 1)) * 4 + (j & 3); }
+
+// the lane's 8 floats of a row (zeros past D); p 16-byte aligned when D % 4 == 0
+__device__ __forceinline__ void qsa_load8(const float* p, int lane, int D, float* v) {
+    if (8 * lane + 8 <= D && (D & 3) == 0) {
+        const float4 a = *(const float4*)(p + qsa_dim(lane, 0)), b = *(const float4*)(p + qsa_dim(lane, 4));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = qsa_dim(lane, j) < D ? p[qsa_dim(lane, j)] : 0.0f;
+    }
+}
+
+// One step of the reduce-scatter: lanes with `bit` clear keep values [0, n/2), the others [n/2, n), each adding
+// its partner's copy of the half it keeps.
+template <int N>
+__device__ __forceinline__ void qsa_scatter(float* v, int lane, int bit) {
+    const bool up = lane & bit;
+#pragma unroll
+    for (int k = 0; k < N / 2; k++) {
+        const float send = up ? v[k] : v[k + N / 2];
+        const float keep = up ? v[k + N / 2] : v[k];
+        v[k] = keep + __shfl_xor_sync(FULL_MASK, send, bit);
+    }
+}
+
+__device__ __forceinline__ void cp_async_f(float* dst, const float* src, bool vec) {
+#ifdef __CUDACC__
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
+    if (vec)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+#else
+    if (vec) *(float4*)dst = *(const float4*)src; else *dst = *src;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// wait until at most QSA_STAGES - 1 of this thread's copy groups are still in flight
+__device__ __forceinline__ void cp_async_wait_stages() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.wait_group %0;" ::"n"(QSA_STAGES - 1) : "memory");
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) qsa_attn(const float* __restrict__ q, const float* __restrict__ Kc,
+                                                           const float* __restrict__ Vc, const i32* __restrict__ sel,
+                                                           const i32* __restrict__ meta, float* part,
+                                                           const i32* __restrict__ step, int H, int Hkv, int D,
+                                                           int ratio, int nsplit, int ld, int cap) {
+    __shared__ __align__(16) float sh_s[8][QSA_N], sh_p[8][QSA_N], sh_m[8][QSA_HW];
+    float* kvbuf = (float*)SMEM;          // [stage][cell u][K, V][D]
+    i32* cells = (i32*)(kvbuf + QSA_STAGES * QSA_U * 2 * D);    // the split's cells, at most cap
     pdl_begin();
-    const int kvh = blockIdx.x, sp = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31;
+    const int kvh = blockIdx.x, sp = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     if (row >= step[STEP_T]) return;
-    const int group = blockDim.x >> 5, h = kvh * group + (threadIdx.x >> 5), H = gridDim.x * group;
+    // the group's heads split evenly over the CTA's warps (strata/kernels/qsa.py: ceil(group / QSA_HW) warps)
+    const int group = H / Hkv, nw = blockDim.x >> 5, hw = (group + nw - 1) / nw;
+    const int h0 = kvh * group + w * hw, nh = min(hw, group - w * hw);
     q += (size_t)row * H * D;
     sel += (size_t)row * ld;
     meta += 2 * row;
     part += (size_t)row * H * nsplit * (D + 2);
     const int nb = (step[STEP_POS] + row + 1) / ratio, nsc = meta[0] * ratio, n_cells = meta[1];
     const int per = (n_cells + nsplit - 1) / nsplit, i0 = sp * per, i1 = min(n_cells, i0 + per);
-    const float sd = sqrtf((float)D);
-    float qr[QSA_MAXD / 32], acc[QSA_MAXD / 32];
-#pragma unroll
-    for (int j = 0; j < QSA_MAXD / 32; j++) {
-        const int d = lane + 32 * j;
-        qr[j] = d < D ? q[(size_t)h * D + d] : 0.0f;
-        acc[j] = 0.0f;
+    const int n_mine = max(0, min(i1 - i0, cap));      // cap holds every split of a launch (qsa.py attn_smem)
+    const int rounds = (n_mine + QSA_U - 1) / QSA_U;
+    for (int k = threadIdx.x; k < n_mine; k += blockDim.x) {
+        const int iu = i0 + k;
+        cells[k] = iu < nsc ? sel[iu / ratio] * ratio + iu % ratio : nb * ratio + (iu - nsc);
     }
-    // four cells a round: their dot products' shuffle sums are independent chains the warp overlaps (one cell a
-    // round waited on five dependent shuffles per cell), then one online-softmax update for the four
-    float m = -F_INF, l = 0.0f;
-    for (int i = i0; i < i1; i += 4) {
-        float s4[4];
-        const float* vp[4];
+    __syncthreads();
+    const bool vec = (D & 3) == 0;
+    const int step_f = vec ? 4 : 1;
+    // round r's cells into stage r % QSA_STAGES (one copy group per round, empty past the last)
+    auto issue = [&](int r) {
+        if (r < rounds) {
+            float* st = kvbuf + (size_t)(r % QSA_STAGES) * QSA_U * 2 * D;
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int iu = min(i + u, i1 - 1);      // past the end: the last cell again, its weight zeroed below
-            const int c = iu < nsc ? sel[iu / ratio] * ratio + iu % ratio : nb * ratio + (iu - nsc);
-            const float* kp = Kc + ((size_t)c * Hkv + kvh) * D;
-            vp[u] = Vc + ((size_t)c * Hkv + kvh) * D;
-            float dot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < QSA_MAXD / 32; j++) {
-                const int d = lane + 32 * j;
-                if (d < D) dot += qr[j] * kp[d];
-            }
-            s4[u] = dot;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int u = 0; u < 4; u++) s4[u] += __shfl_xor_sync(FULL_MASK, s4[u], o);
-        float mn = m;
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            s4[u] = i + u < i1 ? s4[u] / sd : -F_INF;
-            mn = fmaxf(mn, s4[u]);
-        }
-        const float corr = expf(m - mn);
-        float p4[4];
-        l = l * corr;
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            p4[u] = expf(s4[u] - mn);
-            l += p4[u];
-        }
-#pragma unroll
-        for (int j = 0; j < QSA_MAXD / 32; j++) {
-            const int d = lane + 32 * j;
-            if (d < D) {
-                float a = acc[j] * corr;
-#pragma unroll
-                for (int u = 0; u < 4; u++) a += p4[u] * vp[u][d];
-                acc[j] = a;
+            for (int u = 0; u < QSA_U; u++) {
+                const int c = cells[min(r * QSA_U + u, n_mine - 1)];  // past the end: the last cell again (weight 0)
+                const size_t o = ((size_t)c * Hkv + kvh) * D;
+                for (int e = step_f * (int)threadIdx.x; e < 2 * D; e += step_f * (int)blockDim.x) {
+                    const int kv = e >= D, d = e - kv * D;
+                    cp_async_f(st + (2 * u + kv) * D + d, (kv ? Vc : Kc) + o + d, vec);
+                }
             }
         }
-        m = mn;
-    }
-    float* o = part + ((size_t)h * nsplit + sp) * (D + 2);
-    if (lane == 0) {
-        o[0] = m;
-        o[1] = l;
+        cp_async_commit();
+    };
+    const float scale = 1.0f / sqrtf((float)D);      // applied to q once, not to every score
+    float qr[QSA_HW][8], acc[QSA_HW][8], m[QSA_HW], l[QSA_HW];
+#pragma unroll
+    for (int h = 0; h < QSA_HW; h++) {
+        if (h < nh) qsa_load8(q + (size_t)(h0 + h) * D, lane, D, qr[h]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            qr[h][j] = h < nh ? qr[h][j] * scale : 0.0f;
+            acc[h][j] = 0.0f;
+        }
+        m[h] = -F_INF;
+        l[h] = 0.0f;
     }
 #pragma unroll
-    for (int j = 0; j < QSA_MAXD / 32; j++) {
-        const int d = lane + 32 * j;
-        if (d < D) o[2 + d] = acc[j];
+    for (int r = 0; r < QSA_STAGES - 1; r++) issue(r);
+    // after the scatter steps (16, 8, 4) lane holds the sums base .. base + QSA_N / 8 - 1 of the round (cell-major)
+    const int base = (lane & 16 ? QSA_N / 2 : 0) + (lane & 8 ? QSA_N / 4 : 0) + (lane & 4 ? QSA_N / 8 : 0);
+    for (int r = 0; r < rounds; r++) {
+        issue(r + QSA_STAGES - 1);
+        cp_async_wait_stages();
+        __syncthreads();
+        const float* st = kvbuf + (size_t)(r % QSA_STAGES) * QSA_U * 2 * D;
+        float s[QSA_N];
+#pragma unroll
+        for (int u = 0; u < QSA_U; u++) {
+            float kr[8];
+            qsa_load8(st + 2 * u * D, lane, D, kr);
+#pragma unroll
+            for (int h = 0; h < QSA_HW; h++) {
+                float d = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) d = fmaf(qr[h][j], kr[j], d);
+                s[u * QSA_HW + h] = d;
+            }
+        }
+        qsa_scatter<QSA_N>(s, lane, 16);
+        qsa_scatter<QSA_N / 2>(s, lane, 8);
+        qsa_scatter<QSA_N / 4>(s, lane, 4);
+#pragma unroll
+        for (int k = 0; k < QSA_N / 8; k++) {
+            s[k] += __shfl_xor_sync(FULL_MASK, s[k], 2);
+            s[k] += __shfl_xor_sync(FULL_MASK, s[k], 1);
+        }
+        if ((lane & 3) == 0) {
+#pragma unroll
+            for (int k = 0; k < QSA_N / 8; k++) {
+                const int n = base + k;
+                sh_s[w][n] = r * QSA_U + n / QSA_HW < n_mine ? s[k] : -F_INF;
+            }
+        }
+        __syncwarp();
+        float mn[QSA_HW], corr[QSA_HW];
+#pragma unroll
+        for (int h = 0; h < QSA_HW; h++) mn[h] = m[h];
+#pragma unroll
+        for (int k = 0; k < QSA_N; k += 4) {
+            const float4 t = *(const float4*)&sh_s[w][k];
+            mn[k % QSA_HW] = fmaxf(mn[k % QSA_HW], t.x);
+            mn[(k + 1) % QSA_HW] = fmaxf(mn[(k + 1) % QSA_HW], t.y);
+            mn[(k + 2) % QSA_HW] = fmaxf(mn[(k + 2) % QSA_HW], t.z);
+            mn[(k + 3) % QSA_HW] = fmaxf(mn[(k + 3) % QSA_HW], t.w);
+        }
+#pragma unroll
+        for (int h = 0; h < QSA_HW; h++) {
+            corr[h] = expf(m[h] - mn[h]);
+            m[h] = mn[h];
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int h = 0; h < QSA_HW; h++) sh_m[w][h] = mn[h];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int k = lane; k < QSA_N; k += 32) sh_p[w][k] = expf(sh_s[w][k] - sh_m[w][k % QSA_HW]);   // head k % HW
+        __syncwarp();
+#pragma unroll
+        for (int h = 0; h < QSA_HW; h++) {
+            l[h] *= corr[h];
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[h][j] *= corr[h];
+        }
+        float pv[QSA_N];
+#pragma unroll
+        for (int k = 0; k < QSA_N; k += 4) {
+            const float4 t = *(const float4*)&sh_p[w][k];
+            pv[k] = t.x; pv[k + 1] = t.y; pv[k + 2] = t.z; pv[k + 3] = t.w;
+        }
+#pragma unroll
+        for (int u = 0; u < QSA_U; u++) {
+            float vr[8];
+            qsa_load8(st + (2 * u + 1) * D, lane, D, vr);
+#pragma unroll
+            for (int h = 0; h < QSA_HW; h++) {
+                const float p = pv[u * QSA_HW + h];
+                l[h] += p;
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[h][j] = fmaf(p, vr[j], acc[h][j]);
+            }
+        }
+        __syncthreads();        // every warp is done with this stage before a later round's copies overwrite it
+    }
+    // a launch this build cannot serve (more heads a warp, more cells a split than the shared memory holds): NaN
+    const float bad = hw > QSA_HW || i1 - i0 > cap ? __int_as_float(0x7fc00000) : 0.0f;
+#pragma unroll
+    for (int h = 0; h < QSA_HW; h++) {
+        if (h < nh) {
+            float* o = part + ((size_t)(h0 + h) * nsplit + sp) * (D + 2);
+            if (lane == 0) {
+                o[0] = m[h];
+                o[1] = l[h] + bad;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (qsa_dim(lane, j) < D) o[2 + qsa_dim(lane, j)] = acc[h][j];
+        }
     }
 }
 

@@ -8,15 +8,34 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.cuda.arena import DevArray
 from strata.cuda.launch import F, I, Launch, P, need
+from strata.kernels.build import define
 
 MAX_HEAD_DIM = 256      # QSA_MAXD in qsa.cu
+MAX_GROUP = 32          # query heads per kv head: the attention CTA's warps (8 at QSA_HW 4) stay within 256 threads
+
+
+def attn_warps(cfg: ModelConfig) -> int:
+    """Warps of a qsa_attn CTA: the kv head's group of query heads, QSA_HW heads a warp."""
+    return -(-(cfg.n_head // cfg.n_head_kv) // define("QSA_HW", 4))
+
+
+def attn_cap(cfg: ModelConfig, il: int, nsplit: int) -> int:
+    """Cells of one attention split at most: a query attends at most budget + ratio - 1 cells (its top blocks, or
+    every complete block while they fit the budget, and the incomplete tail)."""
+    return -(-(cfg.idx_budget + cfg.compress_ratios[il]) // nsplit)
+
+
+def attn_smem(cfg: ModelConfig, il: int, nsplit: int) -> int:
+    """qsa_attn's dynamic shared memory: QSA_STAGES rounds of QSA_U cells' K and V rows, then a split's cells."""
+    return define("QSA_STAGES", 2) * define("QSA_U", 8) * 2 * cfg.head_dim * 4 + 4 * attn_cap(cfg, il, nsplit)
 
 
 def check_geometry(cfg: ModelConfig) -> None:
     if cfg.head_dim > MAX_HEAD_DIM:
         raise ValueError(f"qsa: head dim {cfg.head_dim} > {MAX_HEAD_DIM}, the attention kernel's register budget")
-    if cfg.n_head // cfg.n_head_kv > 32:
-        raise ValueError(f"qsa: {cfg.n_head // cfg.n_head_kv} query heads per kv head; one warp each, at most 32")
+    if cfg.n_head // cfg.n_head_kv > MAX_GROUP or attn_warps(cfg) > 8:
+        raise ValueError(f"qsa: {cfg.n_head // cfg.n_head_kv} query heads per kv head; the attention kernel takes "
+                         f"at most {MAX_GROUP}")
 
 
 def prep_launch(fn, name: str, cfg: ModelConfig, il: int, qg: DevArray, kr: DevArray, vr: DevArray, iqr: DevArray,
@@ -104,9 +123,9 @@ def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevAr
     need(meta, name + " counts", 2 * rows, np.int32)
     need(part, name + " partials", rows * H * nsplit * (D + 2))
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (Hkv, nsplit, rows), (32 * (H // Hkv),), 0,
-                  [P(q), P(Kc), P(Vc), P(sel), P(meta), P(part), P(step), I(Hkv), I(D), I(cfg.compress_ratios[il]),
-                   I(nsplit), I(ld)])
+    return Launch(fn, name, (Hkv, nsplit, rows), (32 * attn_warps(cfg),), attn_smem(cfg, il, nsplit),
+                  [P(q), P(Kc), P(Vc), P(sel), P(meta), P(part), P(step), I(H), I(Hkv), I(D),
+                   I(cfg.compress_ratios[il]), I(nsplit), I(ld), I(attn_cap(cfg, il, nsplit))])
 
 
 def combine_launch(fn, name: str, cfg: ModelConfig, part: DevArray, qg: DevArray, y: DevArray,

@@ -132,6 +132,11 @@ class Plan:
     spec: Spec
 
 
+def preset_config(preset: str) -> ModelConfig:
+    """The ModelConfig of a preset's geometry (the benches' kernel shapes, without making a file)."""
+    return _geometry(**PRESETS[preset])
+
+
 def pick_type(name: str, n_in: int, mix: str) -> QType:
     """The type a matrix gets under `mix`, falling back to a block that divides its rows (then F32)."""
     want = {"f32": QType.F32, "bf16": QType.BF16, "q8_0": QType.Q8_0}.get(mix)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# QSA attention on the GPU machine, one call: the QSA kernel tests, then bench/gpu_check.py's qsa phase for this
+# tree's kernels under each set of compile-time defines in VARIANTS (';'-separated; the first is the default build),
+# and, when BASE names a `git archive` tarball of another commit, for that commit's kernels (its qsa.cu and qsa.py
+# under this tree's bench phase). Results: $OUT/qsa_<n>.json.
+#   BASE=.cache/head.tgz VARIANTS=";QSA_HW=4" bash bench/gpu_qsa.sh
+set -o pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh || exit 1
+out=${OUT:-/tmp}
+python3 -m pytest -q -rs tests/test_cuda_kernels.py -k "qsa" 2>&1 | tail -4
+n=0
+IFS=';' read -ra variants <<< "${VARIANTS:-}"
+[ ${#variants[@]} -eq 0 ] && variants=("")
+for v in "${variants[@]}"; do
+    echo "== defines: '${v}'"
+    STRATA_KERNEL_DEFINES="$v" OUT=/tmp/qsa_run python3 bench/gpu_check.py --phases qsa 2>&1 | grep "qsa \|Error\|error" \
+        && cp /tmp/qsa_run/gpu_check.json "$out/qsa_$n.json"
+    n=$((n + 1))
+done
+if [ -n "${BASE:-}" ]; then
+    echo "== base: $BASE"
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf "$BASE" -C /tmp/base || exit 1
+    cp -r strata/model/synth.py /tmp/base/strata/model/ && cp bench/gpu_check.py /tmp/base/bench/
+    (cd /tmp/base && STRATA_CACHE=/tmp/base/.cache OUT=/tmp/qsa_base python3 bench/gpu_check.py --phases qsa 2>&1 \
+        | grep "qsa \|Error\|error") && cp /tmp/qsa_base/gpu_check.json "$out/qsa_base.json"
+fi
