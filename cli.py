@@ -64,6 +64,19 @@ def _number_or(word: str, kind, what: str, least: float | None = None):
     return parse
 
 
+def _at_least(least: int, what: str):
+    """An argparse type: an integer of at least `least`."""
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{v}': {what}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"'{v}': {what} must be {least} or more")
+        return n
+    return parse
+
+
 _step_tokens = _number_or("auto", int, "a number of tokens", 1)        # --step-tokens
 _promote = _number_or("all", int, "a number of experts", 0)            # --promote-per-layer
 _ple_cache = _number_or("auto", float, "MiB", 0)                       # --ple-cache-mib
@@ -77,7 +90,7 @@ def _host(a):
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host, ple_cache_bytes=ple, prefetch=a.prefetch,
                       stream_experts=a.stream_experts, map_experts=a.map_experts,
-                      promote_per_layer=a.promote_per_layer, **ctx)
+                      promote_per_layer=a.promote_per_layer, promote_after=a.promote_after, **ctx)
 
 
 def _log(line: str) -> None:
@@ -327,6 +340,9 @@ def _engine_options(g) -> None:
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")
+    g.add_argument("--promote-after", type=_at_least(1, "a number of misses"), default=1, metavar="N",
+                   help="mapped tokens: promote an expert once mapped tokens have missed it N times since its last "
+                        "promotion (1: at every miss)")
     g.add_argument("--ple-cache-mib", type=_ple_cache, default="auto", metavar="MIB|auto",
                    help="PLE table rows kept in RAM: a hot-row cache of MIB (0: every row is read from the file), "
                         "the whole table (read at open) when MIB is at least its size; auto: the whole table when it "

@@ -97,6 +97,34 @@ async def test_promotions_per_layer_are_capped(cap, realistic_gguf):
 
 
 @pytest.mark.asyncio
+async def test_promotion_waits_for_a_second_miss(realistic_gguf):
+    """HostConfig.promote_after = 2: an expert is loaded into the cache only once mapped tokens have missed it
+    twice since its last promotion, so every load follows an earlier miss of the same expert; the logits are the
+    reference's all the same."""
+    model = load_model(realistic_gguf)
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    be = Spy(model, 32)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=32 * blob, map_experts="always",
+                                            promote_after=2))
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
+        assert be.loads
+        misses: dict[tuple[int, int], list[int]] = {}          # (layer, expert) -> mapped tokens that missed it
+        for at, (ids, res) in enumerate(be.tokens):
+            for il in range(ids.shape[0]):
+                for e in ids[il][~res[il]].tolist():
+                    misses.setdefault((il, e), []).append(at)
+        last: dict[tuple[int, int], int] = {}
+        for at, layer, expert, _ in be.loads:   # loaded after launch at - 1 (be.launches = at): token at - 2's misses
+            seen = [t for t in misses[layer, expert] if last.get((layer, expert), -1) < t <= at - 2]
+            assert len(seen) >= 2, (at, layer, expert, seen)
+            last[layer, expert] = at - 2
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
 async def test_mapped_waits_for_the_whole_store(realistic_gguf):
     """Until the RAM tier holds every expert, rows go layer by layer (the split); after the preload they map."""
     model = load_model(realistic_gguf)
@@ -229,6 +257,8 @@ def test_host_config_checks_map_experts():
         HostConfig(map_experts="sometimes")
     with pytest.raises(ValueError, match="promote_per_layer"):
         HostConfig(promote_per_layer=-1)
+    with pytest.raises(ValueError, match="promote_after"):
+        HostConfig(promote_after=0)
 
 
 def test_token_counts_equal_layer_records():

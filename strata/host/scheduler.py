@@ -143,6 +143,9 @@ class HostConfig:
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads
+    promote_after: int = 1                  # ... and only an expert missed this many times by mapped tokens since
+                                            # it was last promoted (1: every miss; 2 keeps one-off routes from
+                                            # evicting the cache's experts and from spending PCIe on copies)
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
@@ -155,6 +158,8 @@ class HostConfig:
             raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
         if self.promote_per_layer is not None and self.promote_per_layer < 0:
             raise ValueError(f"HostConfig.promote_per_layer = {self.promote_per_layer}: 0 or more, or None")
+        if self.promote_after < 1:
+            raise ValueError(f"HostConfig.promote_after = {self.promote_after}: 1 (every miss) or more")
 
 
 @dataclass(frozen=True)
@@ -297,6 +302,7 @@ class Scheduler:
         self._can_map = host.map_experts != "never" and hasattr(backend, "map_experts")
         self._mapped = False
         self._map_routes: tuple[np.ndarray, np.ndarray] | None = None    # the last mapped token's, to promote
+        self._missed = np.zeros((self.cfg.n_layer, self.cfg.n_expert), np.int32)  # mapped misses since promoted
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
         self.ple = None
@@ -941,8 +947,9 @@ class Scheduler:
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
         """A mapped token's misses into the VRAM cache (LRU, its hits made most recently used first), each copied
-        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them. At
-        most HostConfig.promote_per_layer a layer, in route order."""
+        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them. Only
+        experts missed HostConfig.promote_after times since their last promotion, at most
+        HostConfig.promote_per_layer a layer, in route order."""
         be, cache, cap = self.backend, self.cache, self.host.promote_per_layer
         cache.touch_token(ids, res)
         for il in range(ids.shape[0]):
@@ -950,8 +957,12 @@ class Scheduler:
             if not miss.size:
                 continue
             lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
+            if self.host.promote_after > 1:
+                self._missed[il, lack] += 1
+                lack = lack[self._missed[il, lack] >= self.host.promote_after]
             if cap is not None:
                 lack = lack[:cap]
+            self._missed[il, lack] = 0
             keep, nbytes = set(ids[il].tolist()), self._blob_bytes[il]
             for e in lack.tolist():
                 slot = cache.place(il, e, nbytes, keep)

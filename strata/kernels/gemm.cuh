@@ -44,12 +44,14 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
         const int row = i / PPT, gp = gp0 + i % PPT, blk = gp / F::NP, p = gp % F::NP;
         float* ob = Ws + row * LD + (blk * F::QK - k0);
         if (row < nrows && blk * F::QK < n_in) {
-            part_deq<F>(w + (size_t)row * rb + (size_t)blk * F::BB, p, ob);
+            part_deq<F, true>(w + (size_t)row * rb + (size_t)blk * F::BB, p, ob);   // runs 16-byte aligned
         } else {
 #pragma unroll
-            for (int r = 0; r < F::EPP / 4; r++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) ob[F::run(p, r) + e] = 0.0f;
+            for (int r = 0; r < F::EPP / 4; r++) {
+                float4 z;
+                z.x = z.y = z.z = z.w = 0.0f;
+                *(float4*)(ob + F::run(p, r)) = z;
+            }
         }
     }
 }

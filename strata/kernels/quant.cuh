@@ -318,7 +318,8 @@ struct FIQ4_XS {  // 256 el, 136 B: d, scales_h (u16), scales_l[4], qs[128] at 8
 
 // ---- one part written out (the embedding lookup) ------------------------------------------------------
 
-template <class F>
+// VEC: ob + each run is 16-byte aligned (the GEMM's shared tile), so a run is one 16-byte store
+template <class F, bool VEC = false>
 __device__ __forceinline__ void part_deq(const u8* blk, int p, float* ob) {
     float q[F::EPP], a[F::G], b[F::G];
     F::decode(blk, p, q, a, b);
@@ -326,8 +327,17 @@ __device__ __forceinline__ void part_deq(const u8* blk, int p, float* ob) {
 #pragma unroll
     for (int r = 0; r < RUNS; r++) {
         const int g = r / RPG;
+        if (VEC) {
+            float4 v;
+            v.x = a[g] * q[4 * r] + b[g];
+            v.y = a[g] * q[4 * r + 1] + b[g];
+            v.z = a[g] * q[4 * r + 2] + b[g];
+            v.w = a[g] * q[4 * r + 3] + b[g];
+            *(float4*)(ob + F::run(p, r)) = v;
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; i++) ob[F::run(p, r) + i] = a[g] * q[4 * r + i] + b[g];
+            for (int i = 0; i < 4; i++) ob[F::run(p, r) + i] = a[g] * q[4 * r + i] + b[g];
+        }
     }
 }
 
