@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -209,7 +210,6 @@ def cmd_chat(a) -> int:
 def cmd_serve(a) -> int:
     import asyncio
     import signal
-    from pathlib import Path
 
     import uvloop
 
@@ -297,6 +297,7 @@ def cmd_quantize(a) -> int:
 
 def cmd_make_model(a) -> int:
     from strata.model.synth import make_model
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)     # models/ is not in a fresh clone
     make_model(a.preset, a.out, seed=a.seed, mix=a.mix, ple_base=a.ple_base, threads=a.threads, routing=a.routing)
     return 0
 
@@ -340,9 +341,9 @@ def _engine_options(g) -> None:
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")
-    g.add_argument("--promote-after", type=_at_least(1, "a number of misses"), default=1, metavar="N",
+    g.add_argument("--promote-after", type=_at_least(1, "a number of misses"), default=2, metavar="N",
                    help="mapped tokens: promote an expert once mapped tokens have missed it N times since its last "
-                        "promotion (1: at every miss)")
+                        "promotion (1: at every miss; 2 spares the cache one-off routes)")
     g.add_argument("--ple-cache-mib", type=_ple_cache, default="auto", metavar="MIB|auto",
                    help="PLE table rows kept in RAM: a hot-row cache of MIB (0: every row is read from the file), "
                         "the whole table (read at open) when MIB is at least its size; auto: the whole table when it "

@@ -92,7 +92,7 @@ KEY = {"decode": "decode_ms", "prefill": "prefill_tok_s", "streams": "agg_tok_s"
 def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
                  preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
                  stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int | None = None,
-                 promote_per_layer: int | None = None, promote_after: int = 1) -> dict:
+                 promote_per_layer: int | None = None, promote_after: int | None = None) -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
@@ -125,7 +125,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         eng = await Engine.open(model, backend=backend, trace=trace, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
             stream_experts=stream_experts, map_experts=map_experts, step_tokens=step_tokens,
-            promote_per_layer=promote_per_layer, promote_after=promote_after,
+            promote_per_layer=promote_per_layer, **({} if promote_after is None else {"promote_after": promote_after}),
             prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
         cfg = eng.cfg
         if preload:
@@ -408,8 +408,9 @@ def main() -> None:
     p.add_argument("--promote-per-layer", type=int, default=None, metavar="N",
                    help="budget24: strata's HostConfig.promote_per_layer (a mapped token's misses promoted into the "
                         "VRAM cache a layer; default: all)")
-    p.add_argument("--promote-after", type=int, default=1, metavar="N",
-                   help="budget24: strata's HostConfig.promote_after (misses before an expert is promoted)")
+    p.add_argument("--promote-after", type=int, default=None, metavar="N",
+                   help="budget24: strata's HostConfig.promote_after (misses before an expert is promoted; default: "
+                        "the engine's)")
     p.add_argument("--skip-strata", default="", help="comma list of measurement labels not run for strata")
     p.add_argument("--skip-llama", action="store_true", help="strata's cells only (on the GPU: llama.cpp's were "
                    "measured by an earlier call on the same machine)")
@@ -420,6 +421,9 @@ def main() -> None:
     if a.child:
         return child_main(json.loads(a.child))
 
+    if a.model and not Path(a.model).exists():
+        p.error(f"--model {a.model}: no such file (cli.py make-model writes one; without --model the bench makes "
+                f"models/<preset>.gguf)")
     model = a.model or str(ROOT / "models" / f"{a.preset}.gguf")
     if not Path(model).exists():
         Path(model).parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,9 @@ def test_make_model_is_deterministic(tmp_path):
         assert run("make-model", "--preset", "tiny", "--seed", seed, p).returncode == 0
     h = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (a, b, c)]
     assert h[0] == h[1] != h[2]
+    d = tmp_path / "new" / "folder" / "d.gguf"            # its folders are made (models/ is not in a clone)
+    assert run("make-model", "--preset", "tiny", "--seed", 3, d).returncode == 0
+    assert hashlib.sha256(d.read_bytes()).hexdigest() == h[0]
 
 
 def test_generate_default_model(tmp_path):
