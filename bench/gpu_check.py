@@ -156,6 +156,27 @@ GEMV_CASES = [   # (label, type, n_out, n_in, kind): kind gemv | glu | experts
 ]
 
 
+def graph_ms(label: str, stream, launches) -> float:
+    """Median ms of 15 replays of a captured graph of `launches` in order, after a warm-up replay."""
+    from strata.cuda import driver as drv
+    from strata.cuda.graphs import Graph
+    graph = Graph(label, stream, lambda: [l.enqueue(stream) for l in launches])
+    e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
+    graph.launch(stream)
+    stream.synchronize("warm-up")
+    times = []
+    for _ in range(15):
+        e0.record(stream)
+        graph.launch(stream)
+        e1.record(stream)
+        e1.synchronize(label)
+        times.append(e1.elapsed_ms(e0))
+    graph.destroy()
+    e0.destroy()
+    e1.destroy()
+    return float(np.median(times))
+
+
 def sweep_geoms(n_out: int, rb: int, halves: int):
     """Every GEMV geometry whose tile fits the kernel's shared memory (48 KB without the opt-in)."""
     from strata.kernels.gemv import CTA_THREADS, Geom, tile_fits
@@ -177,7 +198,6 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
     from strata.cuda import driver as drv
     from strata.cuda.arena import Arena, DevMat
     from strata.cuda.driver import check, cu
-    from strata.cuda.graphs import Graph
     from strata.cuda.launch import pdl_status
     from strata.kernels import Kernels
     from strata.kernels import gemv as kgemv
@@ -199,21 +219,7 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
             stream.synchronize("profiled launch")
             return float("nan")
         reps = max(1, 24 // len(launches))
-        graph = Graph(f"gemv bench {label}", stream, lambda: [l.enqueue(stream) for _ in range(reps) for l in launches])
-        e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
-        graph.launch(stream)
-        stream.synchronize("warm-up")
-        times = []
-        for _ in range(15):
-            e0.record(stream)
-            graph.launch(stream)
-            e1.record(stream)
-            e1.synchronize("gemv bench")
-            times.append(e1.elapsed_ms(e0) / (reps * len(launches)))
-        graph.destroy()
-        e0.destroy()
-        e1.destroy()
-        return float(np.median(times))
+        return graph_ms(f"gemv bench {label}", stream, [l for _ in range(reps) for l in launches]) / (reps * len(launches))
     for label, tname, n_out, n_in, kind in GEMV_CASES:
         qt = QType[tname]
         rb = device_row_bytes(qt, n_in)
@@ -311,7 +317,6 @@ def phase_qsa() -> None:
     past the L2). Median ms of 15 replays of a captured graph, after a warm-up."""
     from strata.cuda import driver as drv
     from strata.cuda.arena import Arena
-    from strata.cuda.graphs import Graph
     from strata.kernels import Kernels
     from strata.kernels import qsa as kqsa
     from strata.model.synth import preset_config
@@ -354,23 +359,8 @@ def phase_qsa() -> None:
         launches = [kqsa.attn_launch(K.fn("qsa", "qsa_attn"), "attn", cfg, il, q, Kc, Vc, sel, meta, part, step,
                                      max_ctx, nsplit, rows, ld),
                     kqsa.combine_launch(K.fn("qsa", "qsa_combine"), "combine", cfg, part, qg, att, nsplit, step, rows)]
-        times = {}
-        for name, ls in (("attn", launches[:1]), ("attn+combine", launches)):
-            graph = Graph(f"qsa {label}", stream, lambda ls=ls: [l.enqueue(stream) for l in ls])
-            e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
-            graph.launch(stream)
-            stream.synchronize("warm-up")
-            ts = []
-            for _ in range(15):
-                e0.record(stream)
-                graph.launch(stream)
-                e1.record(stream)
-                e1.synchronize("qsa bench")
-                ts.append(e1.elapsed_ms(e0))
-            graph.destroy()
-            e0.destroy()
-            e1.destroy()
-            times[name] = float(np.median(ts))
+        times = {name: graph_ms(f"qsa {label}", stream, ls)
+                 for name, ls in (("attn", launches[:1]), ("attn+combine", launches))}
         cells = int(m_host[:, 1].sum())
         gflop = 4 * cells * H * D / 1e9          # q.k and p.v, 2 flops a multiply-add
         out.append({"label": label, "rows": rows, "nsplit": nsplit, "cells": cells, "attn_ms": times["attn"],

@@ -126,6 +126,27 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
 
+TOP_P_FIRST = 1024      # tokens ordered before the whole vocabulary is: a trained model's top_p set is far smaller
+
+
+def _top_p_prefix(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices (ascending) of the smallest prefix of the tokens in descending probability (ties: lower index
+    first) whose mass reaches top_p: token i of that order is kept while the mass before it is under top_p. The
+    order is built for the 1024 most probable tokens first (a partition, then a stable sort of those); only when
+    their mass is under top_p (a flat distribution) is the whole vocabulary sorted."""
+    n, m = probs.size, TOP_P_FIRST
+    for full in (m >= n, True):
+        if full:
+            order = np.argsort(-probs, kind="stable")
+        else:
+            thr = np.partition(probs, n - m)[n - m]          # the m-th largest: every tie with it is a candidate
+            cand = np.flatnonzero(probs >= thr)
+            order = cand[np.argsort(-probs[cand], kind="stable")]
+        mass = np.cumsum(probs[order])
+        if full or mass[-1] >= top_p:
+            return np.sort(order[mass - probs[order] < top_p])
+
+
 class Sampler:
     """Draws token ids from logits; one per sequence, so a seed gives the same text every run. It counts the tokens
     it returned (and knows the prompt) for the penalties; `logprobs` is the last token's when params ask for them."""
@@ -137,6 +158,8 @@ class Sampler:
         self.counts: np.ndarray | None = None    # (n_vocab,) int64: times each token was generated; penalties only
         self.seen: np.ndarray | None = None      # (n_vocab,) bool: in the prompt or generated; penalties only
         self.logprobs: TokenLogprobs | None = None
+        self._f64: np.ndarray | None = None       # (n_vocab,) work buffers of _draw, kept between calls
+        self._f32: np.ndarray | None = None
 
     def __call__(self, logits: np.ndarray) -> int:
         if not np.all(np.isfinite(logits)):
@@ -164,21 +187,41 @@ class Sampler:
         return z
 
     def _draw(self, z: np.ndarray) -> int:
+        """top_k, then top_p, then min_p, each renormalizing, then one draw. Only the tokens still in the running are
+        carried from each filter to the next (`idx`, ascending), so a peaked distribution over a 248K vocabulary
+        costs a partition and a short sort, not a sort of the vocabulary; the vocabulary-sized passes run in
+        buffers kept between calls (a fresh array of a few MB a token is page faults)."""
+        n = z.size
+        if self._f64 is None or self._f64.size != n:
+            self._f64, self._f32 = np.empty(n), np.empty(n, np.float32)
         # the maximum first: every value <= 0 and the top one exactly 0, so exp never overflows and the sum is >= 1
-        z = (z - z.max()) / self.p.temperature
-        if 0 < self.p.top_k < z.size:
-            kth = np.partition(z, -self.p.top_k)[-self.p.top_k]
-            z = np.where(z >= kth, z, -np.inf)
-        probs = np.exp(z)
+        zs = np.subtract(z, z.max(), out=self._f64)
+        zs /= self.p.temperature
+        idx = None                                           # None: every token
+        if 0 < self.p.top_k < n:
+            kth = np.partition(zs, -self.p.top_k)[-self.p.top_k]
+            idx = np.flatnonzero(zs >= kth)                  # ties with the k-th all stay, as a full mask keeps
+            zs = zs[idx]
+        e = self._f32[:zs.size]
+        with np.errstate(over="ignore"):                     # a tiny temperature: -inf in float32, exp 0
+            np.copyto(e, zs, casting="same_kind")
+        np.exp(e, out=e)                                     # float32 exp: twice as fast as float64's
+        probs = zs
+        np.copyto(probs, e)
         probs /= probs.sum()
         if self.p.top_p < 1:
-            order = np.argsort(-probs, kind="stable")
-            keep = np.cumsum(probs[order]) - probs[order] < self.p.top_p   # the smallest set reaching top_p
-            mask = np.zeros_like(probs, dtype=bool)
-            mask[order[keep]] = True
-            probs = np.where(mask, probs, 0)
+            keep = _top_p_prefix(probs, self.p.top_p)        # the smallest set reaching top_p, ascending
+            idx, probs = (keep if idx is None else idx[keep]), probs[keep]
             probs /= probs.sum()
         if self.p.min_p > 0:
-            probs = np.where(probs >= self.p.min_p * probs.max(), probs, 0)
+            keep = np.flatnonzero(probs >= self.p.min_p * probs.max())
+            idx, probs = (keep if idx is None else idx[keep]), probs[keep]
             probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        j = self._pick(probs)
+        return j if idx is None else int(idx[j])
+
+    def _pick(self, probs: np.ndarray) -> int:
+        """An index drawn with these probabilities (they sum to 1): the first whose cumulative mass passes a
+        uniform draw, as Generator.choice does, without its checks over the whole vocabulary."""
+        cdf = np.cumsum(probs, out=probs if probs is self._f64 else None)      # the buffer: in place
+        return min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), probs.size - 1)

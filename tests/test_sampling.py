@@ -65,20 +65,15 @@ def test_tiny_temperatures_are_greedy(t):
 @pytest.mark.parametrize("t", [1e-5, 1e-3, 1e300])
 def test_extreme_temperatures_give_probabilities(t):
     """Just above the greedy threshold and absurdly hot: finite probabilities that sum to one."""
-    class Recorder:
-        def __init__(self, rng):
-            self.rng, self.p = rng, None
-
-        def choice(self, n, p):
-            self.p = p
-            return self.rng.choice(n, p=p)
-
     z = np.array([3e38, 3.4e38, -3e38, 0.0], np.float32)
     s = Sampler(SamplingParams(temperature=t, top_p=0.9, min_p=0.01, seed=0))
-    s.rng = Recorder(s.rng)
+    seen = []
+    pick = s._pick
+    s._pick = lambda p: (seen.append(p.copy()), pick(p))[1]
     tok = s(z)
-    assert np.all(np.isfinite(s.rng.p)) and abs(s.rng.p.sum() - 1) < 1e-12
-    assert tok == 1 if t < 1 else np.allclose(s.rng.p, 0.25)        # hot: uniform
+    p = seen[-1]
+    assert np.all(np.isfinite(p)) and abs(p.sum() - 1) < 1e-12
+    assert tok == 1 if t < 1 else np.allclose(p, 0.25)              # hot: uniform
 
 
 def test_repetition_penalty_matches_transformers():
@@ -150,3 +145,57 @@ def test_more_bad_values_name_their_parameter(kw):
 def test_stop_and_stop_ids_are_normalized():
     p = SamplingParams(stop="END", stop_token_ids=[np.int64(5), 7])
     assert p.stop == ("END",) and p.stop_token_ids == (5, 7) and type(p.stop_token_ids[0]) is int
+
+
+def test_top_p_set_is_the_full_sorts():
+    """The top_p set built from the most probable 1024 tokens first (strata.sampling._top_p_prefix) equals the
+    definition over the whole stably sorted vocabulary, ties and flat distributions included."""
+    from strata.sampling import TOP_P_FIRST, _top_p_prefix
+    rng = np.random.default_rng(5)
+    flat = 0
+    for trial in range(200):
+        n = int(rng.integers(2, 6 * TOP_P_FIRST))
+        z = rng.standard_normal(n) * rng.choice([0.05, 1.0, 5.0, 30.0])
+        if trial % 3 == 0:
+            z = np.round(z, 1)                                  # ties at the cut
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        top_p = float(rng.uniform(0.05, 0.999))
+        order = np.argsort(-p, kind="stable")
+        want = np.sort(order[np.cumsum(p[order]) - p[order] < top_p])
+        assert np.array_equal(_top_p_prefix(p, top_p), want), (trial, n, top_p)
+        flat += len(want) > TOP_P_FIRST
+    assert flat > 10                                            # the whole-vocabulary sort ran too
+
+
+def test_draws_follow_the_probabilities():
+    """Over a vocabulary of 248,320 (the buffers' path) with top_k, top_p and min_p: every draw is in the filtered
+    set, and the draws' frequencies of its likelier tokens match their renormalized probabilities (chi-square,
+    4 sigma)."""
+    n = 248_320
+    rng = np.random.default_rng(9)
+    z = (rng.standard_normal(n) - 6).astype(np.float32)        # peaked, as a trained model's: the top_p set small
+    z[:6] = [9.0, 8.5, 8.0, 7.6, 7.0, 6.0]
+    for kw in (dict(temperature=0.8, top_p=0.9), dict(temperature=0.8, top_k=4), dict(temperature=1.0, min_p=0.05),
+               dict(temperature=0.5)):
+        s = Sampler(SamplingParams(seed=3, **kw))
+        x = (z.astype(np.float64) - z.max()) / kw["temperature"]
+        p = np.exp(x) / np.exp(x).sum()
+        if "top_k" in kw:
+            p = np.where(np.arange(n) < kw["top_k"], p, 0)
+        if "top_p" in kw:
+            order = np.argsort(-p, kind="stable")
+            keep = np.zeros(n, bool)
+            keep[order[np.cumsum(p[order]) - p[order] < kw["top_p"]]] = True
+            p = np.where(keep, p, 0)
+        p /= p.sum()
+        if "min_p" in kw:
+            p = np.where(p >= kw["min_p"] * p.max(), p, 0)
+            p /= p.sum()
+        draws = np.array([s(z) for _ in range(1500)])
+        top = np.flatnonzero(p > 1e-2)
+        assert set(draws.tolist()) <= set(np.flatnonzero(p > 0).tolist()), kw
+        counts = np.array([(draws == i).sum() for i in top])
+        expect = p[top] * len(draws)
+        chi2 = float(((counts - expect) ** 2 / expect).sum())
+        assert chi2 < len(top) + 4 * np.sqrt(2 * len(top)), (kw, chi2)
