@@ -10,6 +10,8 @@ gemv      GB/s of the GEMV kernels at the flash shapes, per weight type: random 
           timed with events (median of 15 replays, per launch), next to 4.2 TB/s
 qsa       QSA attention (qsa_attn + qsa_combine) at the flash heads: a 4096-row prefill chunk past the budget at
           two positions and one decode row, ms and fp32 TFLOP/s (phase_qsa)
+mapped    one layer's expert kernels of a mapped decode token with 0, 1, 2, 5, 10 of its 10 experts read from pinned
+          host memory over PCIe: ms a layer (phase_mapped)
 model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists (the
           bench phase runs it first when the file is missing)
 bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
@@ -373,6 +375,77 @@ def phase_qsa() -> None:
     RESULTS.setdefault("qsa", []).append({"defines": os.environ.get("STRATA_KERNEL_DEFINES", ""), "rows": out})
 
 
+def phase_mapped() -> None:
+    """One layer's routed experts for one decode row as a mapped token's graph runs them (moe_gate_up + moe_down
+    through the layer's address table, flash shapes, Q2_0) with 0, 1, 2, 5 and 10 of the 10 read from pinned host
+    memory over PCIe and the rest from VRAM: median ms a layer over 6 sets of experts (64 in VRAM, 88 MB, past the
+    L2). Whether a layer's time follows its missed bytes or pays one PCIe-latency-bound expert as soon as it has a
+    miss (bench/GPU_NOTES.md, 2026-12-02 second session)."""
+    from types import SimpleNamespace
+
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena, DevMat
+    from strata.kernels import Kernels
+    from strata.kernels import moe as kmoe
+    from strata.kernels.gemv import device_row_bytes
+    from strata.quant import QType, random_blocks
+    dev = drv.Device.open()
+    K = Kernels(dev.arch)
+    stream = drv.Stream()
+    rng = np.random.default_rng(2)
+    qt, E, Fn, k, n_exp, sets, n_expert = QType.Q2_0, 2560, 640, 10, 64, 6, 512
+    rb, rbd = device_row_bytes(qt, E), device_row_bytes(qt, Fn)
+    sizes = (Fn * rb, Fn * rb, E * rbd)                       # gate, up, down bytes of one expert
+    blob = sum(sizes)
+    A = Arena()
+    g = A.reserve("gate", (n_exp * sizes[0],), np.uint8)
+    u = A.reserve("up", (n_exp * sizes[1],), np.uint8)
+    d = A.reserve("down", (n_exp * sizes[2],), np.uint8)
+    ptab = A.reserve("ptab", (n_expert, 3), np.uint64)
+    slots = [A.reserve(f"ids{i}", (k,), np.int32) for i in range(sets)]
+    jobs = [A.reserve(f"job{i}", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8) for i in range(sets)]
+    x, h, out = A.reserve("x", (E,)), A.reserve("h", (k, (Fn + 7) // 8 * 8)), A.reserve("out", (k, E))
+    A.commit()
+    host = drv.HostBuffer(n_exp * blob, mapped=True, what="mapped experts")
+    one = [random_blocks(qt, (Fn, E), rng, 1 / np.sqrt(E)).reshape(-1),
+           random_blocks(qt, (Fn, E), rng, 1 / np.sqrt(E)).reshape(-1),
+           random_blocks(qt, (E, Fn), rng, 1 / np.sqrt(Fn)).reshape(-1)]
+    hv = host.array(np.uint8, (n_exp, blob))
+    for e in range(n_exp):
+        for part, (buf, src) in enumerate(zip((g, u, d), one)):
+            drv.memcpy_htod_async(buf.ptr + e * src.nbytes, src.ctypes.data, src.nbytes, stream, "w")
+            hv[e, sum(sizes[:part]):sum(sizes[:part + 1])] = src
+        stream.synchronize("upload")
+    x.upload(rng.standard_normal(E).astype(np.float32))
+    cfg = SimpleNamespace(n_embd=E, n_ff_exp=Fn, n_expert_used=k, n_expert=n_expert)
+    bank = kmoe.ExpertBank(DevMat(g, int(qt), Fn, E, rb, n_exp), 0, DevMat(u, int(qt), Fn, E, rb, n_exp), 0,
+                           DevMat(d, int(qt), E, Fn, rbd, n_exp), 0, sizes)
+    launches = []
+    for i in range(sets):
+        slots[i].upload(np.arange(i * k, (i + 1) * k, dtype=np.int32))      # expert ids: the table's rows
+        launches += list(kmoe.expert_launches(K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"), f"mapped {i}",
+                                              cfg, jobs[i], bank, slots[i], x, h, out, ptab=ptab))
+    vram = np.array([[b.ptr + e * sz for b, sz in zip((g, u, d), sizes)] for e in range(n_exp)], np.uint64)
+    pinned = np.array([[host.dptr + e * blob + sum(sizes[:p]) for p in range(3)] for e in range(n_exp)], np.uint64)
+    rows = []
+    for misses in (0, 1, 2, 5, 10):
+        tab = np.zeros((n_expert, 3), np.uint64)
+        tab[:n_exp] = vram
+        for i in range(sets):
+            tab[i * k:i * k + misses] = pinned[i * k:i * k + misses]
+        ptab.upload(tab)
+        ms = graph_ms(f"mapped experts, {misses} misses", stream, launches) / sets
+        mb = misses * blob / 1e6
+        rows.append({"misses": misses, "ms_per_layer": ms, "mb_missed": mb,
+                     "gbps_missed": mb / ms if misses else None})
+        say(f"mapped experts: {misses:2d} of {k} from host memory: {ms * 1e3:7.1f} us a layer"
+            + (f" ({mb:.1f} MB missed: {mb / ms:.1f} GB/s)" if misses else ""))
+    host.free()
+    A.free()
+    stream.destroy()
+    RESULTS["mapped"] = rows
+
+
 def phase_bench(long_ctx: int) -> None:
     from strata.cuda.backend import CudaBackend
     from strata.inspect import per_token_bytes
@@ -461,7 +534,7 @@ def table() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, model, bench")
+    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, mapped, model, bench")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
@@ -481,12 +554,14 @@ def main() -> None:
                 phase_gemv(a.sweep, a.once)
             elif p == "qsa":
                 phase_qsa()
+            elif p == "mapped":
+                phase_mapped()
             elif p == "model":
                 phase_model()
             elif p == "bench":
                 phase_bench(a.long_ctx)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, model, bench")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, mapped, model, bench")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")
