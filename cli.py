@@ -343,7 +343,7 @@ def _engine_options(g) -> None:
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")
     g.add_argument("--promote-after", type=_at_least(1, "a number of misses"), default=2, metavar="N",
                    help="mapped tokens: promote an expert once mapped tokens have missed it N times since its last "
-                        "promotion (1: at every miss; 2 spares the cache one-off routes)")
+                        "promotion (default 2, which spares the cache one-off routes; 1: at every miss)")
     g.add_argument("--ple-cache-mib", type=_ple_cache, default="auto", metavar="MIB|auto",
                    help="PLE table rows kept in RAM: a hot-row cache of MIB (0: every row is read from the file), "
                         "the whole table (read at open) when MIB is at least its size; auto: the whole table when it "
