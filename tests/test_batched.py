@@ -273,3 +273,21 @@ def test_default_step_falls_back_when_the_budget_is_short(tiny_gguf, monkeypatch
     with pytest.raises(BudgetTooSmall):
         make_backend("cuda", model, HostConfig(experts="vram", step_tokens=2048, max_ctx=8192))
     assert tried == [2048]
+
+
+def test_one_token_rows_equal_the_chunk_hash():
+    """A decode step's rows (one token, hashed in Python integers) equal the first row of the vectorized hash over a
+    chunk that starts with that token, for random tokens and windows, EOS included, at the tiny and flash shapes."""
+    from strata.model.synth import preset_config
+    from strata.reference.ple import NgramWindow, ple_rows
+    rng = np.random.default_rng(4)
+    for preset in ("tiny", "flash"):
+        cfg = preset_config(preset)
+        for _ in range(300):
+            t, a, b = (int(x) for x in rng.integers(0, cfg.n_vocab, 3))
+            if rng.random() < 0.2:
+                a = cfg.ple_eos
+            w = NgramWindow((a, b))
+            one = ple_rows(cfg, [t], w)
+            assert one.shape == (1, cfg.ple_heads) and one.dtype == np.int64
+            assert np.array_equal(one, ple_rows(cfg, [t, 0], w)[:1]), (preset, t, a, b)
