@@ -1,6 +1,7 @@
 """The sampler's cost per token over a vocabulary the size of the flash model's (248,320): a Sampler drawing from
 random logits, plain (flat) or scaled by 10 (peaked, as a trained model's), for greedy and the usual filters;
-median of --reps calls after 3 warm-up calls. Host work on every decode step that samples.
+median of --reps calls after 3 warm-up calls. Host work on every decode step that samples; so is the next
+token's PLE hash (ple_rows of one token at the flash geometry's 16 heads), timed last.
 
     python bench/bench_sampling.py [--vocab 248320] [--reps 15]
 """
@@ -16,6 +17,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from strata.model.synth import preset_config  # noqa: E402
+from strata.reference.ple import NgramWindow, ple_rows  # noqa: E402
 from strata.sampling import Sampler, SamplingParams  # noqa: E402
 
 CASES = [("peaked (N(0,1) x 10), t 0.7, top_p 0.9", 10, dict(temperature=0.7, top_p=0.9)),
@@ -43,6 +46,13 @@ def main() -> int:
             s(zz)
             ts.append(time.perf_counter() - t0)
         print(f"  {name:44s} {np.median(ts) * 1e3:8.2f}")
+    cfg, window = preset_config("flash"), NgramWindow((5, 7))
+    ts = []
+    for i in range(100 * a.reps):
+        t0 = time.perf_counter()
+        ple_rows(cfg, [1000 + i], window)
+        ts.append(time.perf_counter() - t0)
+    print(f"  {'PLE rows of one token (flash, 16 heads)':44s} {np.median(ts) * 1e3:8.3f}")
     return 0
 
 
