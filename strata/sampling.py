@@ -166,7 +166,7 @@ class Sampler:
             raise FloatingPointError("the model produced non-finite logits (NaN or inf): the weights or the "
                                      "backend are broken")
         z = self._penalize(logits.astype(np.float64)) if self.p.penalized else logits
-        tok = int(np.argmax(z)) if self.p.greedy else self._draw(np.asarray(z, np.float64))
+        tok = int(np.argmax(z)) if self.p.greedy else self._draw(z)
         if self.p.penalized:
             self.counts[tok] += 1
             self.seen[tok] = True
@@ -195,7 +195,7 @@ class Sampler:
         if self._f64 is None or self._f64.size != n:
             self._f64, self._f32 = np.empty(n), np.empty(n, np.float32)
         # the maximum first: every value <= 0 and the top one exactly 0, so exp never overflows and the sum is >= 1
-        zs = np.subtract(z, z.max(), out=self._f64)
+        zs = np.subtract(z, z.max(), out=self._f64, dtype=np.float64)   # float32 logits: no float64 copy first
         zs /= self.p.temperature
         idx = None                                           # None: every token
         if 0 < self.p.top_k < n:

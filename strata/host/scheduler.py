@@ -960,9 +960,8 @@ class Scheduler:
             if not miss.size:
                 continue
             lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
-            if self.host.promote_after > 1:
-                self._missed[il, lack] += 1
-                lack = lack[self._missed[il, lack] >= self.host.promote_after]
+            self._missed[il, lack] += 1
+            lack = lack[self._missed[il, lack] >= self.host.promote_after]
             if cap is not None:
                 lack = lack[:cap]
             self._missed[il, lack] = 0

@@ -255,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_select(const float* __res
 #define QSA_STAGES 2      // rounds of K/V in shared memory (one computing, the rest arriving)
 #endif
 #define QSA_N (QSA_U * QSA_HW)
+static_assert(QSA_MAXD == 8 * 32, "qsa_attn: a lane holds 8 dimensions of a row");
 static_assert(QSA_N % 8 == 0 && QSA_N <= 64, "qsa_attn: the reduce-scatter takes a multiple of 8 sums, 2 a lane");
 
 // Lane l's 8 dimensions of a row: [8l, 8l + 8), the two halves swapped on lanes with bit 2 set, so that the 8
