@@ -1,4 +1,4 @@
-"""The batched step's GEMM (strata/kernels/gemm.cu, 3xTF32 on the tensor cores) against the T=1 GEMV, at the flash
+"""The batched step's GEMM (strata/kernels/gemm.cu, 3xFP16 on the tensor cores) against the T=1 GEMV, at the flash
 geometry's matrix shapes in the realistic mix: time per launch (median of repeats, warm-up excluded), effective
 TFLOP/s (2 T n_out n_in / t), weight GB/s, and the speed-up over T GEMV launches.
 
@@ -69,7 +69,7 @@ def main() -> None:
     K = Kernels(dev.arch)
     stream = drv.Stream()
     rng = np.random.default_rng(0)
-    print(f"device: {dev.name}; GEMM 3xTF32 vs GEMV (f32 path); median of {args.reps}, warm-up excluded")
+    print(f"device: {dev.name}; GEMM 3xFP16 vs GEMV (f32 path); median of {args.reps}, warm-up excluded")
     print(f"{'matrix':14s} {'type':7s} {'n_out x n_in':>13s} {'T':>5s} {'GEMM ms':>9s} {'TFLOP/s':>8s} "
           f"{'T x GEMV ms':>11s} {'speed-up':>8s}")
     for label, qt, n_out, n_in in SHAPES:

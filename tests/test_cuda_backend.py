@@ -339,10 +339,15 @@ def test_batched_equals_one_row_and_transformers(case):
     print(f"  worst rows {worst.tolist()}: batched-one {err[worst]}, one-row vs transformers "
           f"{rel_err(single, ref)[worst]}, batched vs transformers {rel_err(batched, ref)[worst]}; one-row vs "
           f"transformers max {rel_err(single, ref).max():.2e}")
-    # 1e-5 at every row, except where the model's function is ill-conditioned (measured: the 8-layer "deep"
-    # geometry, 3 rows of 44 up to 2.7e-5): there the one-row path is as far from transformers (3e-6 .. 3e-5),
-    # so a row may differ from the one-row path up to 4x that path's own distance from transformers
-    bound = np.maximum(1e-5, 4 * rel_err(single, ref))
+    # 1e-5 at every row, except where the model's function is ill-conditioned: there f32 reorderings alone move
+    # rows past 1e-5 (the 8-layer "deep" geometry: the one-row f32 path is up to 3.1e-5 from transformers, and
+    # the batched path measured up to 2.7e-5 from the one-row path with 3xTF32 GEMMs, 2.66e-5 with 3xFP16). A row
+    # may then differ from the one-row path by 4x that path's own distance from transformers, or by the largest
+    # such distance in the geometry: the noise floor of f32 in this function
+    noise = rel_err(single, ref)
+    bound = np.maximum(1e-5, 4 * noise)
+    if noise.max() > 1e-5:
+        bound = np.maximum(bound, noise.max())
     print(f"  rows over 1e-5: {int((err > 1e-5).sum())} of {len(err)}")
     assert (err <= bound).all(), f"row {np.argmax(err / bound)}: {err[np.argmax(err / bound)]:.2e}"
     t_err = rel_err(batched, ref)

@@ -698,7 +698,7 @@ GEMM_CASES = [(qt, t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70)]
 @pytest.mark.parametrize("qt,max_rows", GEMM_CASES, ids=[f"{QType(q).name}-{t}" for q, t in GEMM_CASES])
 def test_gemm_formats(rig, qt, max_rows):
     """Y = X W^T over a bucket of max_rows rows with fewer live (n_rows is device data): rows past it untouched,
-    every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xTF32 is what makes that hold."""
+    every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xFP16 with per-row scaling is what makes that hold."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(int(qt) * 11 + max_rows)
     qk = kgemv.BLOCKS[qt][0]
@@ -730,6 +730,77 @@ def test_gemm_formats(rig, qt, max_rows):
         assert rel(out[t], ref[t]) <= TOL, f"row {t}: {rel(out[t], ref[t]):.2e}"
     for t, (_, b) in zip(picks, gv):              # the T=1 path (GEMV) of the same row
         assert rel(out[t], b.download()) <= TOL, f"row {t} vs GEMV: {rel(out[t], b.download()):.2e}"
+
+
+@pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])
+def test_gemm_dynamic_range(rig, qt):
+    """f16 halves hold about 5 decades, so the tile scales each row's k-chunk by a power of two: weight rows from
+    1e-7 to 1e3, step rows from 1e-9 to 1e4, a row whose magnitude jumps 1e6 between k-chunks, one with zero
+    chunks between live ones; every row within 1e-5 of float64 and of the GEMV."""
+    from strata.kernels import gemm as kgemm
+    rng = np.random.default_rng(31)
+    n_in, n_out, T = 512, 70, 24
+    W = rng.standard_normal((n_out, n_in)) * 10.0 ** rng.uniform(-7, 3, (n_out, 1))
+    if qt == QType.F32:
+        raw, Wd = W.astype(F32).view(np.uint8), W.astype(F32).astype(np.float64)
+    else:
+        from strata.quant.quantize import quantize
+        raw = quantize(W.astype(F32), qt).reshape(n_out, -1)
+        Wd = dequantize(raw, qt).reshape(n_out, n_in).astype(np.float64)
+    X = rng.standard_normal((T, n_in)) * 10.0 ** rng.uniform(-9, 4, (T, 1))
+    X[0, 256:] *= 1e6                                 # later chunks a million times the first ones
+    X[1, :320] *= 1e-6
+    X[2, 64:192] = 0.0                                # zero chunks between live ones
+    X = X.astype(F32)
+    m = rig.mat("w", raw, qt, n_out, n_in)
+    xb = rig.buf("x", X.shape, value=X)
+    y = rig.buf("y", (T, n_out))
+    nr = rig.buf("n_rows", (1,), np.int32, [T])
+    gv = [(rig.buf(f"gv_x{t}", (n_in,), value=X[t]), rig.buf(f"gv_y{t}", (n_out,))) for t in range(3)]
+    table = kgemm.job_table("jobs", 1, rig.A.reserve)
+    gv_table = kgemv.job_table("gv", len(gv), rig.A.reserve)
+    rig.commit()
+    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table, [kgemm.GemmJob(m, xb, y)], nr, T)
+    gemv = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", gv_table, [Job(m, a, b) for a, b in gv])
+    rig.poison(y)
+    rig.run(launch, gemv)
+    out = y.download()
+    ref = X.astype(np.float64) @ Wd.T
+    for t in range(T):
+        assert rel(out[t], ref[t]) <= TOL, f"row {t}: {rel(out[t], ref[t]):.2e}"
+    for t, (_, b) in enumerate(gv):
+        assert rel(out[t], b.download()) <= TOL, f"row {t} vs GEMV: {rel(out[t], b.download()):.2e}"
+    # per weight row too: the small rows must not drown in the large ones' error
+    for i in range(n_out):
+        assert rel(out[:, i], ref[:, i]) <= TOL, f"weight row {i}: {rel(out[:, i], ref[:, i]):.2e}"
+
+
+def test_gemm_one_table_two_buckets(rig):
+    """The backend fills one job table per launch and captures it for every bucket of rows, whose tiles take 128
+    weight rows (64 step rows) or 64 (16): two jobs through one table at 40 rows and at 9, against float64."""
+    from strata.kernels import gemm as kgemm
+    rng = np.random.default_rng(12)
+    n_in, T = 512, 40
+    X = rng.standard_normal((T, n_in)).astype(F32)
+    xb = rig.buf("x", X.shape, value=X)
+    nr = rig.buf("n_rows", (1,), np.int32, [T])
+    ra, rb = random_matrix(QType.Q8_0, 200, n_in, rng), random_matrix(QType.Q4_K, 70, n_in, rng)
+    a, b = rig.mat("a", ra, QType.Q8_0, 200, n_in), rig.mat("b", rb, QType.Q4_K, 70, n_in)
+    ya, yb = rig.buf("ya", (T, 200)), rig.buf("yb", (T, 70))
+    table = kgemm.job_table("jobs", 2, rig.A.reserve)
+    rig.commit()
+    jobs = [kgemm.GemmJob(a, xb, ya), kgemm.GemmJob(b, xb, yb)]
+    refs = [X.astype(np.float64) @ dequantize(r, q).reshape(n, n_in).astype(np.float64).T
+            for r, q, n in ((ra, QType.Q8_0, 200), (rb, QType.Q4_K, 70))]
+    launches = {t: kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table, jobs, nr, t) for t in (T, 9)}
+    for t, launch in launches.items():
+        nr.upload(np.array([t], np.int32))
+        rig.poison(ya, yb)
+        rig.run(launch)
+        for y, ref in zip((ya, yb), refs):
+            out = y.download()
+            assert rel(out[:t], ref[:t]) <= TOL, f"{t} rows"
+            assert np.isnan(out[t:]).all()
 
 
 def test_gemm_glu_gather_and_jobs(rig):

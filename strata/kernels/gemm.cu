@@ -11,35 +11,41 @@ struct GemmJob {
     const i32* xrow;      // row n reads x[xrow[n]] (null: x[n])
     i32 type, type2, n_in, n_out, row_bytes, row_bytes2;
     i32 ldx, ldy;
-    i32 cta0;             // first M tile of this job in its launch
-    i32 pad;
+    i32 pad0, pad1;       // (a job's first M tile is counted on the device: the tile's BM differs by bucket of
+                          // rows, and one table serves every bucket)
 };
 
 // Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN)); the step's row count is device
 // data (*n_rows), so a graph captured for a bucket of rows serves every count up to it.
-template <int BK, int MT, int NT, int WM, int WN>
+template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs, int n_jobs,
                                                const i32* __restrict__ n_rows) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
     pdl_begin();
     const int nrows = *n_rows, n0 = blockIdx.y * BN;
     if (n0 >= nrows) return;
-    int j = 0;
-    for (int i = 1; i < n_jobs; i++)
-        if (jobs[i].cta0 <= (int)blockIdx.x) j = i;
+    int j = 0, cta0 = 0;
+    for (int i = 0, c = 0; i < n_jobs; c += (jobs[i].n_out + BM - 1) / BM, i++)
+        if (c <= (int)blockIdx.x) j = i, cta0 = c;
     const GemmJob J = jobs[j];
-    const int m0 = ((int)blockIdx.x - J.cta0) * BM;
-    gemm_tile<BK, MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out, m0, J.x,
-                                  J.ldx, J.xrow, nrows, n0, J.y, J.ldy);
+    const int m0 = ((int)blockIdx.x - cta0) * BM;
+    gemm_tile<MAY_GLU, BK, MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out,
+                                           m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy);
 }
 
-// BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups), each at BK 64 and 128
-#define GEMM_JOBS(NAME, BK, MT, NT, WM, WN)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GM_THREADS) NAME(const GemmJob* __restrict__ jobs, int n_jobs, \
-                                                                  const i32* __restrict__ n_rows) {             \
-        gemm_jobs_body<BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows);                                                \
+// BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups), each at BK 64 and 128,
+// without and with GLU jobs (gemm.py picks the _glu kernel for a launch that has one); the plain BN = 64 tiles
+// take 128 weight rows (gemm.py tile_bm)
+#define GEMM_JOBS(NAME, GLU, BK, MT, NT, WM, WN)                                                              \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(GLU, BK, MT))                        \
+        NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows) {                  \
+        gemm_jobs_body<GLU, BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows);                                        \
     }
-GEMM_JOBS(gemm_jobs16_k64, 64, 1, 2, 4, 1)
-GEMM_JOBS(gemm_jobs16_k128, 128, 1, 2, 4, 1)
-GEMM_JOBS(gemm_jobs64_k64, 64, 2, 4, 2, 2)
-GEMM_JOBS(gemm_jobs64_k128, 128, 2, 4, 2, 2)
+GEMM_JOBS(gemm_jobs16_k64, false, 64, 1, 2, 4, 1)
+GEMM_JOBS(gemm_jobs16_k128, false, 128, 1, 2, 4, 1)
+GEMM_JOBS(gemm_jobs64_k64, false, 64, 4, 4, 2, 2)
+GEMM_JOBS(gemm_jobs64_k128, false, 128, 4, 4, 2, 2)
+GEMM_JOBS(gemm_jobs16_k64_glu, true, 64, 1, 2, 4, 1)
+GEMM_JOBS(gemm_jobs16_k128_glu, true, 128, 1, 2, 4, 1)
+GEMM_JOBS(gemm_jobs64_k64_glu, true, 64, 2, 4, 2, 2)
+GEMM_JOBS(gemm_jobs64_k128_glu, true, 128, 2, 4, 2, 2)

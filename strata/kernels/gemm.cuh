@@ -3,10 +3,15 @@
 // Y[n] = W X[n] for the n < nrows rows of a tile (X rows gathered through xrow when it is set), or
 // Y[n] = silu(W X[n]) * (W2 X[n]) (GLU). A CTA takes a tile of BM weight rows and BN step rows; per k-chunk of
 // BK elements it decodes its weight rows once into shared memory as f32 (part_deq: the GEMV's decoders) and
-// applies them to all BN rows with mma.sync m16n8k8 in 3xTF32: each f32 operand is split as big = tf32(v),
-// small = tf32(v - big), and big*big + big*small + small*big keep about 22 bits of every product, which is what
-// keeps the batched path within 1e-5 of the f32 GEMV (plain TF32 would be ~1e-3). Accumulation is f32 in a
-// fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
+// applies them to all BN rows with mma.sync m16n8k16 in 3xFP16: each f32 operand is split as hi = f16(v),
+// lo = f16(v - hi), and hi*hi + hi*lo + lo*hi keep about 22 bits of every product (what 3xTF32 kept, at twice the
+// tensor rate and a third of the fragment instructions: ldmatrix, no per-load split), which is what keeps the
+// batched path within 1e-5 of the f32 GEMV (a plain f16 or TF32 product would be ~1e-3).
+// f16 has a narrow exponent, so each weight row and each step row of a chunk is scaled by a power of two that
+// brings its largest |v| into [2^14, 2^15) before the split: lo is then never subnormal where it matters and hi
+// never overflows. The accumulator is kept in the current chunk's units and rescaled (exact powers of two) when
+// a row's scale changes from one chunk to the next, so no per-chunk partial sums are held. Accumulation is f32 in
+// a fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
 // which other rows share its tile.
 #pragma once
 #include "quant.cuh"
@@ -15,168 +20,319 @@
 // whose smaller tiles let more CTAs share a multiprocessor (gemm.py picks per launch). Shared rows are BK + 4
 // floats: the fragment loads of a warp then hit 32 distinct banks.
 #define GM_THREADS 128
+// Resident CTAs a multiprocessor is asked to fit (registers): the tile has no load/compute overlap of its own, so
+// other CTAs' chunks are what hides a chunk's loads. 4 fits the small plain tiles (MT <= 2) at k-chunks of 64
+// without spills; GLU tiles, k-chunks of 128 and the 128-row tiles get 3 (168 registers).
+#define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 2 ? 3 : 4)
 
-__device__ __forceinline__ u32 tf32_of(float v) {
+__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {     // lo in the low half: the lower k
     u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
-__device__ __forceinline__ void split_tf32(float v, u32& big, u32& small) {
-    big = tf32_of(v);
-    small = tf32_of(v - __uint_as_float(big));
+__device__ __forceinline__ float2 f32x2_of(u32 v) {
+    float2 f;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(f.x), "=f"(f.y) : "r"(v));
+    return f;
 }
 
-__device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+// 4 consecutive (scaled) elements -> their hi and lo halves, two words each
+__device__ __forceinline__ void split4(float4 v, uint2& hi, uint2& lo) {
+    hi.x = f16x2_of(v.x, v.y);
+    hi.y = f16x2_of(v.z, v.w);
+    const float2 a = f32x2_of(hi.x), b = f32x2_of(hi.y);
+    lo.x = f16x2_of(v.x - a.x, v.y - a.y);
+    lo.y = f16x2_of(v.z - b.x, v.w - b.y);
+}
+
+__device__ __forceinline__ float4 scale4(float4 v, float f) {
+    v.x *= f;
+    v.y *= f;
+    v.z *= f;
+    v.w *= f;
+    return v;
+}
+
+__device__ __forceinline__ float absmax4(float m, float4 v) {
+    return fmaxf(fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+
+// The shift s that brings m = max |v| of a row's chunk into [2^14, 2^15) as v 2^s, within [-126, 126]. A zero row
+// (or one whose max fmaxf dropped as NaN) keeps 0; an infinite one stays infinite, so non-finite values propagate.
+__device__ __forceinline__ int f16_shift(float m) {
+    return m > 0.0f ? max(-126, min(126, 141 - ((__float_as_int(m) >> 23) & 255))) : 0;
+}
+
+__device__ __forceinline__ int clamp_shift(int s) { return max(-126, min(127, s)); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(p));
+    return d;
+}
+
+__device__ __forceinline__ void ldsm4(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), into Ws (BM x (BK + 4) floats); elements past n_in
-// are zero. Items are (row, part) pairs: a part is wholly inside or outside a chunk for every format.
+// A row of a tile in shared memory holds BK + 4 floats' bytes: its hi halves in bytes [0, 2 BK), its lo halves in
+// [2 BK, 4 BK); the 16 bytes of padding put ldmatrix's 8 rows of a fragment on distinct banks.
+
+// The PPT consecutive threads that hold one row's values (PPT a power of 2 <= 32 dividing GM_THREADS, every
+// thread of the CTA calling): the row's shift from their maximum |v|, then each thread's 4-element runs at
+// element offsets pos(r) split into the row's halves. Returns the shift.
+template <int PPT, int NR, class Pos>
+__device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* row, int bk2, Pos pos) {
+    float m = 0.0f;
+#pragma unroll
+    for (int r = 0; r < NR; r++) m = absmax4(m, make_float4(v[4 * r], v[4 * r + 1], v[4 * r + 2], v[4 * r + 3]));
+#pragma unroll
+    for (int o = 1; o < PPT; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const int s = f16_shift(m);
+    const float f = pow2f(s);
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        uint2 hi, lo;
+        split4(make_float4(v[4 * r] * f, v[4 * r + 1] * f, v[4 * r + 2] * f, v[4 * r + 3] * f), hi, lo);
+        *(uint2*)(row + 2 * pos(r)) = hi;
+        *(uint2*)(row + bk2 + 2 * pos(r)) = lo;
+    }
+    return s;
+}
+
+// Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), decoded (part_deq's decoders) and split into Ws (BM
+// rows), shift[r] each row's power of two; elements past n_in and rows past nrows are zero. Items are (row, part)
+// pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
 template <int BK, class F>
-__device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM) {
-    constexpr int PPT = F::NP * BK / F::QK, LD = BK + 4;           // parts per row of the tile
+__device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
+                                           int* shift) {
+    constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
+    static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
     for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
-        const int row = i / PPT, gp = gp0 + i % PPT, blk = gp / F::NP, p = gp % F::NP;
-        float* ob = Ws + row * LD + (blk * F::QK - k0);
+        const int row = i / PPT, gp = gp0 + i % PPT, blk = gp / F::NP, p = gp % F::NP, e0 = blk * F::QK - k0;
+        float v[F::EPP];
         if (row < nrows && blk * F::QK < n_in) {
-            part_deq<F, true>(w + (size_t)row * rb + (size_t)blk * F::BB, p, ob);   // runs 16-byte aligned
+            float q[F::EPP], a[F::G], b[F::G];
+            F::decode(w + (size_t)row * rb + (size_t)blk * F::BB, p, q, a, b);
+#pragma unroll
+            for (int r = 0; r < RUNS; r++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) v[4 * r + e] = a[r / RPG] * q[4 * r + e] + b[r / RPG];
         } else {
 #pragma unroll
-            for (int r = 0; r < F::EPP / 4; r++) {
-                float4 z;
-                z.x = z.y = z.z = z.w = 0.0f;
-                *(float4*)(ob + F::run(p, r)) = z;
-            }
+            for (int e = 0; e < F::EPP; e++) v[e] = 0.0f;
         }
+        const int s = split_runs<PPT, RUNS>(v, (u8*)(Ws + row * (BK + 4)), 2 * BK,
+                                            [&](int r) { return e0 + F::run(p, r); });
+        if (i % PPT == 0) shift[row] = s;
     }
 }
 
 template <int BK, int T>
-__device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM) {
-    constexpr int ES = T == T_F32 ? 4 : 2, LD = BK + 4;
-    for (int i = threadIdx.x; i < BM * (BK / 8); i += blockDim.x) {
-        const int row = i / (BK / 8), c = i % (BK / 8), k = k0 + 8 * c;
+__device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
+                                           int* shift) {
+    constexpr int ES = T == T_F32 ? 4 : 2, PPT = BK / 8;
+    for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
+        const int row = i / PPT, c = i % PPT, k = k0 + 8 * c;
         float v[8];
         if (row < nrows && k < n_in) float8<T>(w + (size_t)row * rb + (size_t)k * ES, v);
 #pragma unroll
-        for (int e = 0; e < 8; e++) Ws[row * LD + 8 * c + e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
+        for (int e = 0; e < 8; e++) v[e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
+        const int s = split_runs<PPT, 2>(v, (u8*)(Ws + row * (BK + 4)), 2 * BK, [&](int r) { return 8 * c + 4 * r; });
+        if (c == 0) shift[row] = s;
     }
 }
 
 template <int BK>
-__device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM) {
+__device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
+                                      int* shift) {
     switch (type) {
-        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM); return;
-        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM); return;
+        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
     }
-    for (int i = threadIdx.x; i < BM * (BK + 4); i += blockDim.x) Ws[i] = __int_as_float(0x7fc00000);   // unknown type
+    for (int i = threadIdx.x; i < BM * (BK + 4); i += blockDim.x) Ws[i] = __int_as_float(0x7e007e00);   // unknown type:
+    for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;                                   // f16 NaNs
 }
 
-// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), into Xs (BN x (BK + 4)); zeros outside.
-// Rows whose stride or start is not 16-byte aligned are read a float at a time.
-template <int BK>
+// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows of BK + 4 floats' bytes); zeros
+// outside; shift[n] each row's power of two. GM_THREADS / BN threads a row (adjacent lanes), each taking every
+// (GM_THREADS / BN)-th float4, so a warp's loads cover whole 32-byte sectors of its rows. Rows whose stride or
+// start is not 16-byte aligned are read a float at a time.
+template <int BK, int BN>
 __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow, int n0, int nrows, int k0, int n_in,
-                                       float* Xs, int BN) {
+                                       float* Xs, int* shift) {
+    constexpr int TPR = GM_THREADS / BN, NV = BK / 4 / TPR;
+    static_assert(GM_THREADS % BN == 0 && NV >= 1 && TPR <= 32, "load_x: threads per row");
     const bool vec = (ldx & 3) == 0 && ((unsigned long long)x & 15) == 0;     // 16-byte rows: float4 loads
-    for (int i = threadIdx.x; i < BN * (BK / 4); i += blockDim.x) {
-        const int n = i / (BK / 4), c = i % (BK / 4), k = k0 + 4 * c;
-        float4 v;
-        v.x = v.y = v.z = v.w = 0.0f;
-        if (n0 + n < nrows && k < n_in) {
-            const float* xp = x + (size_t)(xrow != nullptr ? xrow[n0 + n] : n0 + n) * ldx + k;
+    const int n = threadIdx.x / TPR, h = threadIdx.x % TPR;
+    const bool live = n0 + n < nrows;
+    const float* xr = x + (live ? (size_t)(xrow != nullptr ? xrow[n0 + n] : n0 + n) * ldx : 0);
+    float4 v[NV];
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int k = k0 + 4 * (h + TPR * i);
+        v[i].x = v[i].y = v[i].z = v[i].w = 0.0f;
+        if (live && k < n_in) {
+            const float* xp = xr + k;
             if (vec && k + 4 <= n_in) {
-                v = *(const float4*)xp;
+                v[i] = *(const float4*)xp;
             } else {                          // unaligned rows, or the tail of n_in (not a multiple of 4)
-                v.x = xp[0];
-                v.y = k + 1 < n_in ? xp[1] : 0.0f;
-                v.z = k + 2 < n_in ? xp[2] : 0.0f;
-                v.w = k + 3 < n_in ? xp[3] : 0.0f;
+                v[i].x = xp[0];
+                v[i].y = k + 1 < n_in ? xp[1] : 0.0f;
+                v[i].z = k + 2 < n_in ? xp[2] : 0.0f;
+                v[i].w = k + 3 < n_in ? xp[3] : 0.0f;
             }
         }
-        *(float4*)(Xs + n * (BK + 4) + 4 * c) = v;
+        m = absmax4(m, v[i]);
     }
+#pragma unroll
+    for (int o = 1; o < TPR; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const int s = f16_shift(m);
+    const float f = pow2f(s);
+    u8* hp = (u8*)(Xs + n * (BK + 4));
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        uint2 hi, lo;
+        split4(scale4(v[i], f), hi, lo);
+        *(uint2*)(hp + 8 * (h + TPR * i)) = hi;
+        *(uint2*)(hp + 2 * BK + 8 * (h + TPR * i)) = lo;
+    }
+    if (h == 0) shift[n] = s;
 }
 
-// The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. Warps are WM x WN, each MT m16 tiles by NT n8 tiles.
-// Shared memory: Ws (BM), Ws2 (BM, GLU only), Xs (BN), BK + 4 floats a row.
-template <int BK, int MT, int NT, int WM, int WN>
+// Bring one accumulator set from its rows' old shifts (cw: weight rows, cx: step rows) to the chunk's (sw, sx).
+template <int MT, int NT>
+__device__ __forceinline__ void rescale(float (&acc)[MT][NT][4], int (&cw)[MT][2], const int* sw,
+                                        const float (&fx)[NT][2], int wm, int g) {
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int s = sw[wm + i * 16 + g + 8 * r];
+            const float fw = pow2f(clamp_shift(s - cw[i][r]));
+            cw[i][r] = s;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                acc[i][j][2 * r] = acc[i][j][2 * r] * fw * fx[j][0];         // in turn: no 2^254 factor
+                acc[i][j][2 * r + 1] = acc[i][j][2 * r + 1] * fw * fx[j][1];
+            }
+        }
+}
+
+// The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. Warps are WM x WN, each MT m16 tiles by NT n8 tiles. GLU
+// jobs (w2 set) need MAY_GLU: the second accumulator set costs ~70 registers a thread, which the plain kernels
+// spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM, GLU only), Xs (BN), BK + 4 floats a row, then the
+// rows' shifts (BM, BM, BN).
+template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
                                           int n0, float* y, int ldy) {
-    constexpr int BM = WM * MT * 16, BN = WN * NT * 8, GM_LD = BK + 4;
-    const bool glu = w2 != nullptr;
+    constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4, RB = LD * 4;   // RB: a row's bytes
+    static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
+    const bool glu = MAY_GLU && w2 != nullptr;
     float* Ws = (float*)SMEM;
-    float* Ws2 = Ws + BM * GM_LD;
-    float* Xs = Ws2 + (glu ? BM * GM_LD : 0);
+    float* Ws2 = Ws + BM * LD;
+    float* Xs = Ws2 + (glu ? BM * LD : 0);
+    int* sh_w = (int*)(Xs + BN * LD);
+    int* sh_w2 = sh_w + BM;
+    int* sh_x = sh_w2 + BM;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wm = (warp % WM) * MT * 16, wn = (warp / WM) * NT * 8;
     const int mrows = min(BM, n_out - m0);
+    // ldmatrix rows of this lane: A (weights) row lane & 15 at k + 8 (lane >> 4); B (step rows) row
+    // (lane & 7) + 8 (lane >> 4) at k + 8 ((lane >> 3) & 1): fragments a0..a3, and b0 b1 of two n8 tiles
+    const u32 xs = smem_addr(Xs) + (wn + (lane & 7) + ((lane >> 4) << 3)) * RB + ((lane >> 3) & 1) * 16;
+    const u32 ws = smem_addr(Ws) + (wm + (lane & 15)) * RB + (lane >> 4) * 16;
+    const u32 ws2 = ws + BM * RB;
     float acc[MT][NT][4], acc2[MT][NT][4];
+    int cw[MT][2], cw2[MT][2], cx[NT][2];
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MT; i++) cw[i][0] = cw[i][1] = cw2[i][0] = cw2[i][1] = 0;
+#pragma unroll
+    for (int j = 0; j < NT; j++) cx[j][0] = cx[j][1] = 0;
 
     for (int k0 = 0; k0 < n_in; k0 += BK) {
-        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM);
-        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM);
-        load_x<BK>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, BN);
+        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w);
+        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2);
+        load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
         __syncthreads();
-#pragma unroll 2
-        for (int kk = 0; kk < BK; kk += 8) {
-            u32 bb[NT][2], bs[NT][2];
+        float fx[NT][2];
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                const float* xp = Xs + (wn + j * 8 + g) * GM_LD + kk + t;
-                split_tf32(xp[0], bb[j][0], bs[j][0]);
-                split_tf32(xp[4], bb[j][1], bs[j][1]);
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int s = sh_x[wn + j * 8 + 2 * t + c];
+                fx[j][c] = pow2f(clamp_shift(s - cx[j][c]));
+                cx[j][c] = s;
+            }
+        rescale<MT, NT>(acc, cw, sh_w, fx, wm, g);
+        if (glu) rescale<MT, NT>(acc2, cw2, sh_w2, fx, wm, g);
+#pragma unroll 2
+        for (int kk = 0; kk < BK; kk += 16) {
+            u32 bh[NT][2], bl[NT][2];
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                u32 r[4];
+                ldsm4(xs + j * 8 * RB + 2 * kk, r);
+                bh[j][0] = r[0], bh[j][1] = r[1], bh[j + 1][0] = r[2], bh[j + 1][1] = r[3];
+                ldsm4(xs + j * 8 * RB + 2 * BK + 2 * kk, r);
+                bl[j][0] = r[0], bl[j][1] = r[1], bl[j + 1][0] = r[2], bl[j + 1][1] = r[3];
             }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 if (h == 1 && !glu) break;
-                const float* W = h ? Ws2 : Ws;
 #pragma unroll
                 for (int i = 0; i < MT; i++) {
-                    const float* wp = W + (wm + i * 16 + g) * GM_LD + kk + t;
-                    u32 ab[4], as[4];
-                    split_tf32(wp[0], ab[0], as[0]);
-                    split_tf32(wp[8 * GM_LD], ab[1], as[1]);
-                    split_tf32(wp[4], ab[2], as[2]);
-                    split_tf32(wp[8 * GM_LD + 4], ab[3], as[3]);
+                    u32 ah[4], al[4];
+                    const u32 wa = (h ? ws2 : ws) + i * 16 * RB + 2 * kk;
+                    ldsm4(wa, ah);
+                    ldsm4(wa + 2 * BK, al);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         float* c = h ? acc2[i][j] : acc[i][j];
-                        mma_tf32(c, as, bb[j]);
-                        mma_tf32(c, ab, bs[j]);
-                        mma_tf32(c, ab, bb[j]);
+                        mma_f16(c, al, bh[j]);
+                        mma_f16(c, ah, bl[j]);
+                        mma_f16(c, ah, bh[j]);
                     }
                 }
             }
         }
         __syncthreads();
     }
-    // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8
+    // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8; back from the last shifts
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
@@ -185,9 +341,9 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             for (int e = 0; e < 4; e++) {
                 const int m = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
                 if (m < n_out && n < nrows) {
-                    const float a = acc[i][j][e];
-                    y[(size_t)n * ldy + m] = glu ? siluf_(a) * acc2[i][j][e] : a;
+                    const float fx = pow2f(-cx[j][e & 1]);
+                    const float a = acc[i][j][e] * pow2f(-cw[i][e >> 1]) * fx;
+                    y[(size_t)n * ldy + m] = glu ? siluf_(a) * (acc2[i][j][e] * pow2f(-cw2[i][e >> 1]) * fx) : a;
                 }
             }
 }
-

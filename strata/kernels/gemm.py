@@ -18,7 +18,6 @@ from strata.kernels.gemv import _check_mat
 from strata.quant.formats import QType
 
 THREADS = 128
-BM = 64
 # tile shapes: (kernel prefix, BN); BN = 16 when a step has few rows (decode batches), else 64
 SHAPES = (("gemm_jobs16", 16), ("gemm_jobs64", 64))
 
@@ -29,15 +28,24 @@ def chunk_k(types) -> int:
     return 128 if any(QType(t) == QType.Q6_K for t in types) else 64
 
 
+def tile_bm(bn: int, glu: bool) -> int:
+    """Weight rows a CTA takes (gemm.cu / moe.cu's BM = WM * MT * 16): 128 for plain tiles of 64 step rows (each
+    warp 64 x 32: fewer shared-memory bytes per multiply-add, which bounds the tile), else 64 (a GLU tile's two
+    accumulator sets, or 16 step rows)."""
+    return 128 if bn == 64 and not glu else 64
+
+
 def smem_bytes(bk: int, bn: int, glu: bool) -> int:
-    """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row."""
-    return ((2 if glu else 1) * BM + bn) * (bk + 4) * 4
+    """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row, then the
+    rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
+    bm = tile_bm(bn, glu)
+    return ((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
 
 # struct GemmJob (gemm.cu), 80 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
                            ("type", "<i4"), ("type2", "<i4"), ("n_in", "<i4"), ("n_out", "<i4"),
                            ("row_bytes", "<i4"), ("row_bytes2", "<i4"), ("ldx", "<i4"), ("ldy", "<i4"),
-                           ("cta0", "<i4"), ("pad", "<i4")])
+                           ("pad0", "<i4"), ("pad1", "<i4")])
 assert GEMM_JOB_DTYPE.itemsize == 80
 
 
@@ -64,12 +72,13 @@ def job_table(name: str, n_jobs: int, reserve) -> DevArray:
     return reserve(name, (n_jobs * GEMM_JOB_DTYPE.itemsize,), np.uint8)
 
 
-def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int]:
-    """(job rows, M tiles, dynamic shared bytes, k-chunk) of a launch over up to max_rows rows."""
+def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int, int, bool]:
+    """(job rows, M tiles, dynamic shared bytes, k-chunk, any GLU job) of a launch over up to max_rows rows."""
     rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
-    tiles, glu = 0, False
+    tiles, glu = 0, any(j.w2 is not None for j in jobs)
     bk = chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
     _, bn = shape_for(max_rows)
+    bm = tile_bm(bn, glu)
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
         _check_mat(j.w, what)
@@ -94,19 +103,17 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
             if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
-            glu = True
-        r["cta0"] = tiles
-        tiles += -(-j.w.n_out // BM)
-    return rows, tiles, smem_bytes(bk, bn, glu), bk
+        tiles += -(-j.w.n_out // bm)
+    return rows, tiles, smem_bytes(bk, bn, glu), bk, glu
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int) -> Launch:
     """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function."""
     need(n_rows, name + " n_rows", 1, np.int32)
-    rows, tiles, smem, bk = gemm_plan(jobs, max_rows, name)
+    rows, tiles, smem, bk, glu = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
     kernel, bn = shape_for(max_rows)
-    return Launch(fn_of(f"{kernel}_k{bk}"), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
+    return Launch(fn_of(f"{kernel}_k{bk}{'_glu' if glu else ''}"), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
                   [P(table), I(len(jobs)), P(n_rows)])

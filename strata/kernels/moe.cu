@@ -303,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restri
 }
 
 // h[p] = silu(gate_s x[pair_tok[p]]) * (up_s x[pair_tok[p]]) for the pairs p of tile blockIdx.y (expert slot s);
-// grid (ceil(F / 64), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp).
+// grid (ceil(F / BM), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp).
 template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
                                             const i32* __restrict__ n_tiles, const float* __restrict__ x,
@@ -314,12 +314,12 @@ __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, cons
     const MoeJob J = *job;
     const i32* tq = tiles + 4 * blockIdx.y;
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
-    gemm_tile<BK, MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
+    gemm_tile<true, BK, MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
                               J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * BM, x, J.E, pair_tok + p0, np_, 0,
                               h + (size_t)p0 * J.Fp, J.Fp);
 }
 
-// out[p] = down_s h[p]; grid (ceil(E / 64), max tiles). out (pairs, E).
+// out[p] = down_s h[p]; grid (ceil(E / BM), max tiles). out (pairs, E).
 template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
                                               const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
@@ -329,27 +329,28 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
     const MoeJob J = *job;
     const i32* tq = tiles + 4 * blockIdx.y;
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
-    gemm_tile<BK, MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
+    gemm_tile<false, BK, MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
                               (int)blockIdx.x * BM, h + (size_t)p0 * J.Fp, J.Fp, nullptr, np_, 0,
                               out + (size_t)p0 * J.E, J.E);
 }
 
-// tiles of 16 or 64 pairs, k-chunks of 64 or 128 (gemm.cuh)
-#define MOE_GEMMS(SUF, BK, MT, NT, WM, WN)                                                                         \
-    extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_gu##SUF(                                        \
+// tiles of 16 or 64 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128 rows
+// (MTD m16 tiles a warp: gemm.py tile_bm)
+#define MOE_GEMMS(SUF, BK, MT, NT, WM, WN, MTD)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(true, BK, MT)) moe_gu##SUF(                 \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
         const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h) {                               \
         moe_gu_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, x, pair_tok, h);                                    \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_down##SUF(                                      \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(false, BK, MTD)) moe_down##SUF(             \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
         const float* __restrict__ h, float* out) {                                                                \
-        moe_down_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, h, out);                                          \
+        moe_down_body<BK, MTD, NT, WM, WN>(job, tiles, n_tiles, h, out);                                          \
     }
-MOE_GEMMS(16_k64, 64, 1, 2, 4, 1)
-MOE_GEMMS(16_k128, 128, 1, 2, 4, 1)
-MOE_GEMMS(64_k64, 64, 2, 4, 2, 2)
-MOE_GEMMS(64_k128, 128, 2, 4, 2, 2)
+MOE_GEMMS(16_k64, 64, 1, 2, 4, 1, 1)
+MOE_GEMMS(16_k128, 128, 1, 2, 4, 1, 1)
+MOE_GEMMS(64_k64, 64, 2, 4, 2, 2, 4)
+MOE_GEMMS(64_k128, 128, 2, 4, 2, 2, 4)
 
 // combine_write_rms for the step's rows: row t's out = sum_j wts[t, j] part(t, j) + sigmoid(sg[t]) shared[t], part
 // = gpu_out[pair_of[t k + j]] when that is >= 0, else host_parts[t k + j]; then gr_write and the next read's norm

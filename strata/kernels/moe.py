@@ -185,7 +185,7 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
                      bn: int) -> tuple[Launch, Launch]:
     """(gate/up GLU, down) over the step's expert tiles; uploads the layer's MoeJob into `job`.
     x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name) -> the function."""
-    from strata.kernels.gemm import BM, chunk_k, smem_bytes
+    from strata.kernels.gemm import chunk_k, smem_bytes, tile_bm
     k, E, Fn, Fp = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, padded_ff(cfg)
     row = moe_job_row(cfg, bank)
     need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
@@ -196,9 +196,11 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     job.upload(row.view(np.uint8))
     nt = max_tiles(rows, k, cfg.n_expert, bn)
     kg, kd = chunk_k([bank.gate.qtype, bank.up.qtype]), chunk_k([bank.down.qtype])
-    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // BM), nt), (128,), smem_bytes(kg, bn, True),
+    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // tile_bm(bn, True)), nt), (128,),
+                smem_bytes(kg, bn, True),
                 [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h)])
-    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // BM), nt), (128,), smem_bytes(kd, bn, False),
+    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // tile_bm(bn, False)), nt), (128,),
+                smem_bytes(kd, bn, False),
                 [P(job), P(tiles), P(n_tiles), P(h), P(out)])
     return gu, dn
 
