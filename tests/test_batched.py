@@ -216,12 +216,12 @@ async def test_own_failure_ends_only_that_request(tiny_gguf, monkeypatch):
 
 @pytest.mark.asyncio
 async def test_default_step_tokens(tiny_gguf):
-    """HostConfig.step_tokens=None: 4096 rows for a CUDA backend with every weight in VRAM (its chunks run ~2x the
-    rows per second of 512-row ones), 512 under a VRAM budget and on the CPU; a number given is used as it is."""
+    """HostConfig.step_tokens=None: 4096 rows for a CUDA backend, with every weight in VRAM or under a budget (its
+    chunks run ~2x the rows per second of 512-row ones), 512 on the CPU; a number given is used as it is."""
     from strata.engine import step_tokens
     from strata.host.scheduler import STEP_TOKENS, STEP_TOKENS_VRAM
     assert (STEP_TOKENS, STEP_TOKENS_VRAM) == (512, 4096)
-    assert step_tokens(HostConfig(), "vram") == 4096 and step_tokens(HostConfig(), "host") == 512
+    assert step_tokens(HostConfig(), "vram") == 4096 and step_tokens(HostConfig(), "host") == 4096
     assert step_tokens(HostConfig(step_tokens=96), "vram") == 96
     with pytest.raises(ValueError, match="at least one token"):
         HostConfig(step_tokens=0)

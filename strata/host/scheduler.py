@@ -74,9 +74,10 @@ STREAM_SURE = 4            # routes per expert from which a step streams without
 MODE_RETRY = 32            # every this many choices between two measured modes (times their cost ratio), the
                            # costlier is measured again (a first measurement on a cold cache must not decide for good)
 STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig.step_tokens = None) ...
-STEP_TOKENS_VRAM = 4096    # ... and on CUDA with every weight in VRAM: a 4096-row chunk's graph runs ~2x the rows
-                           # per second of a 512-row one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py), and
-                           # its 3.6 GiB of activations (flash) crowd out no expert cache there
+STEP_TOKENS_VRAM = 4096    # ... and on CUDA: a 4096-row chunk's graph runs ~2x the rows per second of a 512-row
+                           # one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py); under a budget its 3.6 GiB
+                           # of activations (flash) take expert cache slots, and a 4K prompt still prefilled 2.3x
+                           # faster (each chunk streams every layer's experts once) with decode unchanged
 RAMP_FIRST = 512           # where PLE rows are read from the file, a prompt's first chunk at most this many rows;
                            # then each chunk doubles, up to step_tokens: a chunk waits for its PLE rows (4 KiB each,
                            # ~41K a second at depth 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and
@@ -118,7 +119,7 @@ class HostConfig:
                                             # mapped when they fit half the RAM and host_budget_bytes
     step_tokens: int | None = None          # rows per step at most (decode rows, then prompt chunks); the
                                             # backend's max_step_tokens caps it. None: STEP_TOKENS_VRAM on CUDA
-                                            # with every weight in VRAM, else STEP_TOKENS (512)
+                                            # (512 where a budget cannot hold its activations), else STEP_TOKENS
     prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
                                             # a backend that can copy its state (snapshot / restore) takes them
     prefetch: str = "off"                   # while layer l's experts are planned, start reading layer l + 1's
