@@ -703,7 +703,7 @@ def test_gemm_formats(rig, qt, max_rows):
     rng = np.random.default_rng(int(qt) * 11 + max_rows)
     qk = kgemv.BLOCKS[qt][0]
     n_in = 8 * 40 + 5 if qt in kgemv.FLOAT_TYPES else qk * max(3, 640 // qk)   # not a multiple of the k-chunk
-    n_out, live = 101, max_rows - 1
+    n_out, live = (101 if max_rows < 64 else 1100), max_rows - 1     # 1100: the 128-row tiles, a partial last
     raw = random_matrix(qt, n_out, n_in, rng)
     ldx = (n_in + 3) // 4 * 4
     X = np.zeros((max_rows, ldx), F32)
@@ -739,7 +739,8 @@ def test_gemm_dynamic_range(rig, qt):
     chunks between live ones; every row within 1e-5 of float64 and of the GEMV."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(31)
-    n_in, n_out, T = 512, 70, 24
+    n_in, n_out, T = 512, 70, 24                 # 70 outputs: the 64-row plain tiles
+    assert kgemm.kernel_name(T, 64, False, n_out) == "gemm_jobs64_k64_m64"
     W = rng.standard_normal((n_out, n_in)) * 10.0 ** rng.uniform(-7, 3, (n_out, 1))
     if qt == QType.F32:
         raw, Wd = W.astype(F32).view(np.uint8), W.astype(F32).astype(np.float64)
@@ -777,21 +778,24 @@ def test_gemm_dynamic_range(rig, qt):
 
 def test_gemm_one_table_two_buckets(rig):
     """The backend fills one job table per launch and captures it for every bucket of rows, whose tiles take 128
-    weight rows (64 step rows) or 64 (16): two jobs through one table at 40 rows and at 9, against float64."""
+    weight rows (64 step rows, wide matrices) or 64 (16): two jobs through one table at 40 rows and at 9, against
+    float64."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(12)
     n_in, T = 512, 40
     X = rng.standard_normal((T, n_in)).astype(F32)
     xb = rig.buf("x", X.shape, value=X)
     nr = rig.buf("n_rows", (1,), np.int32, [T])
-    ra, rb = random_matrix(QType.Q8_0, 200, n_in, rng), random_matrix(QType.Q4_K, 70, n_in, rng)
-    a, b = rig.mat("a", ra, QType.Q8_0, 200, n_in), rig.mat("b", rb, QType.Q4_K, 70, n_in)
-    ya, yb = rig.buf("ya", (T, 200)), rig.buf("yb", (T, 70))
+    na, nb = 1100, 1030                                   # partial last tiles of 128 rows (and of 64)
+    ra, rb = random_matrix(QType.Q8_0, na, n_in, rng), random_matrix(QType.Q4_K, nb, n_in, rng)
+    a, b = rig.mat("a", ra, QType.Q8_0, na, n_in), rig.mat("b", rb, QType.Q4_K, nb, n_in)
+    ya, yb = rig.buf("ya", (T, na)), rig.buf("yb", (T, nb))
     table = kgemm.job_table("jobs", 2, rig.A.reserve)
     rig.commit()
     jobs = [kgemm.GemmJob(a, xb, ya), kgemm.GemmJob(b, xb, yb)]
     refs = [X.astype(np.float64) @ dequantize(r, q).reshape(n, n_in).astype(np.float64).T
-            for r, q, n in ((ra, QType.Q8_0, 200), (rb, QType.Q4_K, 70))]
+            for r, q, n in ((ra, QType.Q8_0, na), (rb, QType.Q4_K, nb))]
+    assert kgemm.kernel_name(T, 64, False, nb) == "gemm_jobs64_k64" and kgemm.tile_bm(64, False, nb) == 128
     launches = {t: kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table, jobs, nr, t) for t in (T, 9)}
     for t, launch in launches.items():
         nr.upload(np.array([t], np.int32))

@@ -35,7 +35,7 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
 
 // BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups), each at BK 64 and 128,
 // without and with GLU jobs (gemm.py picks the _glu kernel for a launch that has one); the plain BN = 64 tiles
-// take 128 weight rows (gemm.py tile_bm)
+// take 128 weight rows, or 64 (_m64) over matrices with few outputs (gemm.py tile_bm)
 #define GEMM_JOBS(NAME, GLU, BK, MT, NT, WM, WN)                                                              \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(GLU, BK, MT))                        \
         NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows) {                  \
@@ -45,6 +45,8 @@ GEMM_JOBS(gemm_jobs16_k64, false, 64, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs16_k128, false, 128, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs64_k64, false, 64, 4, 4, 2, 2)
 GEMM_JOBS(gemm_jobs64_k128, false, 128, 4, 4, 2, 2)
+GEMM_JOBS(gemm_jobs64_k64_m64, false, 64, 2, 4, 2, 2)
+GEMM_JOBS(gemm_jobs64_k128_m64, false, 128, 2, 4, 2, 2)
 GEMM_JOBS(gemm_jobs16_k64_glu, true, 64, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs16_k128_glu, true, 128, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs64_k64_glu, true, 64, 2, 4, 2, 2)

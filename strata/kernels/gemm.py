@@ -28,17 +28,30 @@ def chunk_k(types) -> int:
     return 128 if any(QType(t) == QType.Q6_K for t in types) else 64
 
 
-def tile_bm(bn: int, glu: bool) -> int:
+WIDE_OUT = 1024         # plain 64-row steps take 128 weight rows a CTA when every job has at least this many outputs
+
+
+def tile_bm(bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
     """Weight rows a CTA takes (gemm.cu / moe.cu's BM = WM * MT * 16): 128 for plain tiles of 64 step rows (each
-    warp 64 x 32: fewer shared-memory bytes per multiply-add, which bounds the tile), else 64 (a GLU tile's two
-    accumulator sets, or 16 step rows)."""
-    return 128 if bn == 64 and not glu else 64
+    warp 64 x 32: fewer shared-memory bytes per multiply-add, which bounds the tile) over matrices of at least
+    WIDE_OUT outputs (n_out: the launch's smallest), else 64: a GLU tile's two accumulator sets, 16 step rows, or
+    few outputs, where 64-row tiles keep twice the CTAs busy (H200, 4096 rows: hc down 320 x 10240 0.81 ms in
+    64-row tiles, 1.14 in 128; attn_qkv 10240 x 2560 3.61 against 3.09; but expert gate 640 x 2560 0.33 against
+    0.26, so the rule should weigh the input length too: bench/GPU_NOTES.md)."""
+    return 128 if bn == 64 and not glu and n_out >= WIDE_OUT else 64
 
 
-def smem_bytes(bk: int, bn: int, glu: bool) -> int:
+def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
+    """gemm.cu's kernel for a launch: the tile's step rows (shape_for), k-chunk, GLU, and 128 or 64 weight rows."""
+    kernel, bn = shape_for(max_rows)
+    wide = "" if glu or bn != 64 or tile_bm(bn, glu, n_out) == 128 else "_m64"
+    return f"{kernel}_k{bk}{'_glu' if glu else ''}{wide}"
+
+
+def smem_bytes(bk: int, bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
     """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row, then the
     rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
-    bm = tile_bm(bn, glu)
+    bm = tile_bm(bn, glu, n_out)
     return ((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
 
 # struct GemmJob (gemm.cu), 80 bytes
@@ -72,13 +85,15 @@ def job_table(name: str, n_jobs: int, reserve) -> DevArray:
     return reserve(name, (n_jobs * GEMM_JOB_DTYPE.itemsize,), np.uint8)
 
 
-def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int, int, bool]:
-    """(job rows, M tiles, dynamic shared bytes, k-chunk, any GLU job) of a launch over up to max_rows rows."""
+def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int, int, bool, int]:
+    """(job rows, M tiles, dynamic shared bytes, k-chunk, any GLU job, smallest n_out) of a launch over up to
+    max_rows rows."""
     rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
     tiles, glu = 0, any(j.w2 is not None for j in jobs)
     bk = chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
     _, bn = shape_for(max_rows)
-    bm = tile_bm(bn, glu)
+    n_out = min(j.w.n_out for j in jobs)
+    bm = tile_bm(bn, glu, n_out)
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
         _check_mat(j.w, what)
@@ -104,16 +119,16 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
         tiles += -(-j.w.n_out // bm)
-    return rows, tiles, smem_bytes(bk, bn, glu), bk, glu
+    return rows, tiles, smem_bytes(bk, bn, glu, n_out), bk, glu, n_out
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int) -> Launch:
     """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function."""
     need(n_rows, name + " n_rows", 1, np.int32)
-    rows, tiles, smem, bk, glu = gemm_plan(jobs, max_rows, name)
+    rows, tiles, smem, bk, glu, n_out = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
-    kernel, bn = shape_for(max_rows)
-    return Launch(fn_of(f"{kernel}_k{bk}{'_glu' if glu else ''}"), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
+    _, bn = shape_for(max_rows)
+    return Launch(fn_of(kernel_name(max_rows, bk, glu, n_out)), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
                   [P(table), I(len(jobs)), P(n_rows)])
