@@ -4,7 +4,9 @@
 #   bash bench/gpu_prefill.sh vram       the GEMM tests (stop if they fail), the flash file made while the rest of
 #                                        the CUDA tests run, bench_gemm.py, Strata's prefill and decode with every
 #                                        weight in VRAM (bench_vs_llamacpp.py --skip-llama), a 4096-row chunk's stages
-#   bash bench/gpu_prefill.sh budget24   the same prefill and decode under the 24 GiB budget
+#   bash bench/gpu_prefill.sh budget24   the same prefill and decode under the 24 GiB budget, then bench_stream.py's
+#                                        per-layer copy time and the share of it hidden behind compute (4096-row
+#                                        chunks, streamed)
 # PREFILL (default 512,4096,32768) and REPEATS (default 3) pass through; logs go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,7 @@ if [ "$config" = vram ]; then
     python3 -m pytest -q -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" \
         | tail -4
     python3 bench/bench_gemm.py --rows 512,4096 --reps 5 2>&1 | tee "$out/gemm.log"
+    python3 bench/gemm_accuracy.py 2>&1 | tee "$out/gemm_accuracy.log"
     wait
 else
     make_model
@@ -32,4 +35,7 @@ python3 bench/bench_vs_llamacpp.py --model $model --config "$config" --skip-llam
     --repeats "${REPEATS:-3}" 2>&1 | tee "$out/bench_$config.log" | grep -v "^ " | tail -30
 if [ "$config" = vram ]; then
     python3 bench/bench_prefill_gpu.py --model $model --chunks 4096 --tokens 8192 2>&1 | tee "$out/stages.log" | tail -40
+else
+    python3 bench/bench_stream.py --model $model --tokens 8192 --step-tokens 4096 --modes always 2>&1 \
+        | tee "$out/stream.log" | tail -30
 fi

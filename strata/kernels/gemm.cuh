@@ -2,8 +2,8 @@
 //
 // Y[n] = W X[n] for the n < nrows rows of a tile (X rows gathered through xrow when it is set), or
 // Y[n] = silu(W X[n]) * (W2 X[n]) (GLU). A CTA takes a tile of BM weight rows and BN step rows; per k-chunk of
-// BK elements it decodes its weight rows once into shared memory as f32 (part_deq: the GEMV's decoders) and
-// applies them to all BN rows with mma.sync m16n8k16 in 3xFP16: each f32 operand is split as hi = f16(v),
+// BK elements it decodes its weight rows once (the GEMV's decoders) into shared memory as f16 halves and applies
+// them to all BN rows with mma.sync m16n8k16 in 3xFP16: each f32 operand is split as hi = f16(v),
 // lo = f16(v - hi), and hi*hi + hi*lo + lo*hi keep about 22 bits of every product (what 3xTF32 kept, at twice the
 // tensor rate and a third of the fragment instructions: ldmatrix, no per-load split), which is what keeps the
 // batched path within 1e-5 of the f32 GEMV (a plain f16 or TF32 product would be ~1e-3).
@@ -18,7 +18,7 @@
 
 // BK, the k-chunk: a whole number of the formats' part groups: 128 for Q6_K (groups of 128), 64 for the others,
 // whose smaller tiles let more CTAs share a multiprocessor (gemm.py picks per launch). Shared rows are BK + 4
-// floats: the fragment loads of a warp then hit 32 distinct banks.
+// floats' bytes (the halves and 16 bytes of padding): ldmatrix's 8 rows of a fragment then hit distinct banks.
 #define GM_THREADS 128
 // Resident CTAs a multiprocessor is asked to fit (registers): the tile has no load/compute overlap of its own, so
 // other CTAs' chunks are what hides a chunk's loads. 4 fits the small plain tiles (MT <= 2) at k-chunks of 64
