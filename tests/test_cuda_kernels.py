@@ -698,7 +698,8 @@ GEMM_CASES = [(qt, t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70)]
 @pytest.mark.parametrize("qt,max_rows", GEMM_CASES, ids=[f"{QType(q).name}-{t}" for q, t in GEMM_CASES])
 def test_gemm_formats(rig, qt, max_rows):
     """Y = X W^T over a bucket of max_rows rows with fewer live (n_rows is device data): rows past it untouched,
-    every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xFP16 with per-row scaling is what makes that hold."""
+    every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xFP16 with per-row scaling is what
+    makes that hold."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(int(qt) * 11 + max_rows)
     qk = kgemv.BLOCKS[qt][0]

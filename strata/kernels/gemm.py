@@ -44,14 +44,13 @@ def tile_bm(bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
 def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
     """gemm.cu's kernel for a launch: the tile's step rows (shape_for), k-chunk, GLU, and 128 or 64 weight rows."""
     kernel, bn = shape_for(max_rows)
-    wide = "" if glu or bn != 64 or tile_bm(bn, glu, n_out) == 128 else "_m64"
-    return f"{kernel}_k{bk}{'_glu' if glu else ''}{wide}"
+    narrow = "_m64" if bn == 64 and not glu and tile_bm(bn, glu, n_out) == 64 else ""
+    return f"{kernel}_k{bk}{'_glu' if glu else ''}{narrow}"
 
 
-def smem_bytes(bk: int, bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
+def smem_bytes(bk: int, bn: int, bm: int, glu: bool) -> int:
     """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row, then the
     rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
-    bm = tile_bm(bn, glu, n_out)
     return ((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
 
 # struct GemmJob (gemm.cu), 80 bytes
@@ -85,9 +84,8 @@ def job_table(name: str, n_jobs: int, reserve) -> DevArray:
     return reserve(name, (n_jobs * GEMM_JOB_DTYPE.itemsize,), np.uint8)
 
 
-def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int, int, bool, int]:
-    """(job rows, M tiles, dynamic shared bytes, k-chunk, any GLU job, smallest n_out) of a launch over up to
-    max_rows rows."""
+def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int, str]:
+    """(job rows, M tiles, dynamic shared bytes, kernel name) of a launch over up to max_rows rows."""
     rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
     tiles, glu = 0, any(j.w2 is not None for j in jobs)
     bk = chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
@@ -119,16 +117,16 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
         tiles += -(-j.w.n_out // bm)
-    return rows, tiles, smem_bytes(bk, bn, glu, n_out), bk, glu, n_out
+    return rows, tiles, smem_bytes(bk, bn, bm, glu), kernel_name(max_rows, bk, glu, n_out)
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int) -> Launch:
     """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function."""
     need(n_rows, name + " n_rows", 1, np.int32)
-    rows, tiles, smem, bk, glu, n_out = gemm_plan(jobs, max_rows, name)
+    rows, tiles, smem, kernel = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
     _, bn = shape_for(max_rows)
-    return Launch(fn_of(kernel_name(max_rows, bk, glu, n_out)), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
+    return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
                   [P(table), I(len(jobs)), P(n_rows)])

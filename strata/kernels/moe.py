@@ -196,11 +196,10 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     job.upload(row.view(np.uint8))
     nt = max_tiles(rows, k, cfg.n_expert, bn)
     kg, kd = chunk_k([bank.gate.qtype, bank.up.qtype]), chunk_k([bank.down.qtype])
-    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // tile_bm(bn, True)), nt), (128,),
-                smem_bytes(kg, bn, True),
+    bg, bd = tile_bm(bn, True), tile_bm(bn, False)     # moe.cu's tile heights (its down tiles: always the wide ones)
+    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // bg), nt), (128,), smem_bytes(kg, bn, bg, True),
                 [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h)])
-    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // tile_bm(bn, False)), nt), (128,),
-                smem_bytes(kd, bn, False),
+    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // bd), nt), (128,), smem_bytes(kd, bn, bd, False),
                 [P(job), P(tiles), P(n_tiles), P(h), P(out)])
     return gu, dn
 
