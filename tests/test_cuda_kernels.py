@@ -734,14 +734,17 @@ def test_gemm_formats(rig, qt, max_rows):
 
 
 @pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])
-def test_gemm_dynamic_range(rig, qt):
+@pytest.mark.parametrize("n_in, n_out, kernel", [(512, 70, "gemm_jobs64_k64_m64"), (10240, 70, "gemm_jobs64_k64_m64"),
+                                                 (6144, 1100, "gemm_jobs64_k64")], ids=["k512", "k10240", "k6144_wide"])
+def test_gemm_dynamic_range(rig, qt, n_in, n_out, kernel):
     """f16 halves hold about 5 decades, so the tile scales each row's k-chunk by a power of two: weight rows from
     1e-7 to 1e3, step rows from 1e-9 to 1e4, a row whose magnitude jumps 1e6 between k-chunks, one with zero
-    chunks between live ones; every row within 1e-5 of float64 and of the GEMV."""
+    chunks between live ones; every row within 1e-5 of float64 and of the GEMV. Inputs as long as the hc reads'
+    (10240: 160 k-chunks, where a tensor-core accumulator's truncation would add up), in both tile heights."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(31)
-    n_in, n_out, T = 512, 70, 24                 # 70 outputs: the 64-row plain tiles
-    assert kgemm.kernel_name(T, 64, False, n_out) == "gemm_jobs64_k64_m64"
+    T = 24
+    assert kgemm.kernel_name(T, 64, False, n_out) == kernel
     W = rng.standard_normal((n_out, n_in)) * 10.0 ** rng.uniform(-7, 3, (n_out, 1))
     if qt == QType.F32:
         raw, Wd = W.astype(F32).view(np.uint8), W.astype(F32).astype(np.float64)

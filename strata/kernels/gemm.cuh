@@ -9,9 +9,11 @@
 // batched path within 1e-5 of the f32 GEMV (a plain f16 or TF32 product would be ~1e-3).
 // f16 has a narrow exponent, so each weight row and each step row of a chunk is scaled by a power of two that
 // brings its largest |v| into [2^14, 2^15) before the split: lo is then never subnormal where it matters and hi
-// never overflows. The accumulator is kept in the current chunk's units and rescaled (exact powers of two) when
-// a row's scale changes from one chunk to the next, so no per-chunk partial sums are held. Accumulation is f32 in
-// a fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
+// never overflows. Each k-chunk's MMAs go into zeroed registers, brought back from the chunk's shifts (exact
+// powers of two) and added into the f32 result with an FMA: the tensor cores' f32 accumulation truncates, so one
+// accumulator carried over the whole input drifted with its length (3.8e-5 from float64 at n_in 10240 against
+// 4e-7 this way, H200, bench/gemm_accuracy.py), for ~8% more time (more registers a thread). Accumulation is in a
+// fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
 // which other rows share its tile.
 #pragma once
 #include "quant.cuh"
@@ -21,9 +23,11 @@
 // floats' bytes (the halves and 16 bytes of padding): ldmatrix's 8 rows of a fragment then hit distinct banks.
 #define GM_THREADS 128
 // Resident CTAs a multiprocessor is asked to fit (registers): the tile has no load/compute overlap of its own, so
-// other CTAs' chunks are what hides a chunk's loads. 4 fits the small plain tiles (MT <= 2) at k-chunks of 64
-// without spills; GLU tiles, k-chunks of 128 and the 128-row tiles get 3 (168 registers).
-#define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 2 ? 3 : 4)
+// other CTAs' chunks are what hides a chunk's loads. 4 fits the one-m16 plain tiles at k-chunks of 64; the rest get
+// 3 (168 registers: the 128-row and GLU tiles spill a little there, and measured faster so than at 2 without
+// spills: attn_qkv at 4096 rows 3.33 against 3.56 ms; the 64-row plain tile at 4 spilled and lost, hc down 0.84
+// against 0.79 at 3; H200, 2026-12-03).
+#define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 1 ? 3 : 4)
 
 __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {     // lo in the low half: the lower k
     u32 r;
@@ -64,8 +68,6 @@ __device__ __forceinline__ float absmax4(float m, float4 v) {
 __device__ __forceinline__ int f16_shift(float m) {
     return m > 0.0f ? max(-126, min(126, 141 - ((__float_as_int(m) >> 23) & 255))) : 0;
 }
-
-__device__ __forceinline__ int clamp_shift(int s) { return max(-126, min(127, s)); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 d;
@@ -227,25 +229,6 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
     if (h == 0) shift[n] = s;
 }
 
-// Bring one accumulator set from its rows' old shifts (cw: weight rows, cx: step rows) to the chunk's (sw, sx).
-template <int MT, int NT>
-__device__ __forceinline__ void rescale(float (&acc)[MT][NT][4], int (&cw)[MT][2], const int* sw,
-                                        const float (&fx)[NT][2], int wm, int g) {
-#pragma unroll
-    for (int i = 0; i < MT; i++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int s = sw[wm + i * 16 + g + 8 * r];
-            const float fw = pow2f(clamp_shift(s - cw[i][r]));
-            cw[i][r] = s;
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                acc[i][j][2 * r] = acc[i][j][2 * r] * fw * fx[j][0];         // in turn: no 2^254 factor
-                acc[i][j][2 * r + 1] = acc[i][j][2 * r + 1] * fw * fx[j][1];
-            }
-        }
-}
-
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. Warps are WM x WN, each MT m16 tiles by NT n8 tiles. GLU
 // jobs (w2 set) need MAY_GLU: the second accumulator set costs ~70 registers a thread, which the plain kernels
 // spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM, GLU only), Xs (BN), BK + 4 floats a row, then the
@@ -272,34 +255,25 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const u32 ws = smem_addr(Ws) + (wm + (lane & 15)) * RB + (lane >> 4) * 16;
     const u32 ws2 = ws + BM * RB;
     float acc[MT][NT][4], acc2[MT][NT][4];
-    int cw[MT][2], cw2[MT][2], cx[NT][2];
+    float part[MT][NT][4], part2[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < MT; i++) cw[i][0] = cw[i][1] = cw2[i][0] = cw2[i][1] = 0;
-#pragma unroll
-    for (int j = 0; j < NT; j++) cx[j][0] = cx[j][1] = 0;
 
     for (int k0 = 0; k0 < n_in; k0 += BK) {
         deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w);
         if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2);
         load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
         __syncthreads();
-        float fx[NT][2];
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+        for (int i = 0; i < MT; i++)
 #pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const int s = sh_x[wn + j * 8 + 2 * t + c];
-                fx[j][c] = pow2f(clamp_shift(s - cx[j][c]));
-                cx[j][c] = s;
-            }
-        rescale<MT, NT>(acc, cw, sh_w, fx, wm, g);
-        if (glu) rescale<MT, NT>(acc2, cw2, sh_w2, fx, wm, g);
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) part[i][j][e] = part2[i][j][e] = 0.0f;
 #pragma unroll 2
         for (int kk = 0; kk < BK; kk += 16) {
             u32 bh[NT][2], bl[NT][2];
@@ -322,7 +296,7 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
                     ldsm4(wa + 2 * BK, al);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
-                        float* c = h ? acc2[i][j] : acc[i][j];
+                        float* c = h ? part2[i][j] : part[i][j];
                         mma_f16(c, al, bh[j]);
                         mma_f16(c, ah, bl[j]);
                         mma_f16(c, ah, bh[j]);
@@ -330,6 +304,28 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
                 }
             }
         }
+        // the chunk's sums back from its shifts (exact powers of two, in turn: no 2^252 factor), added in f32
+        float fx[NT][2];
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-sh_x[wn + j * 8 + 2 * t + c]);
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const float fw = pow2f(-sh_w[wm + i * 16 + g + 8 * r]);
+                const float fw2 = glu ? pow2f(-sh_w2[wm + i * 16 + g + 8 * r]) : 0.0f;
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        acc[i][j][2 * r + c] = fmaf(part[i][j][2 * r + c] * fw, fx[j][c], acc[i][j][2 * r + c]);
+                        if (glu)
+                            acc2[i][j][2 * r + c] =
+                                fmaf(part2[i][j][2 * r + c] * fw2, fx[j][c], acc2[i][j][2 * r + c]);
+                    }
+            }
         __syncthreads();
     }
     // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8; back from the last shifts
@@ -341,9 +337,8 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             for (int e = 0; e < 4; e++) {
                 const int m = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
                 if (m < n_out && n < nrows) {
-                    const float fx = pow2f(-cx[j][e & 1]);
-                    const float a = acc[i][j][e] * pow2f(-cw[i][e >> 1]) * fx;
-                    y[(size_t)n * ldy + m] = glu ? siluf_(a) * (acc2[i][j][e] * pow2f(-cw2[i][e >> 1]) * fx) : a;
+                    const float a = acc[i][j][e];
+                    y[(size_t)n * ldy + m] = glu ? siluf_(a) * acc2[i][j][e] : a;
                 }
             }
 }
