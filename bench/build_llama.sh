@@ -5,15 +5,23 @@
 # Writes .llama/llama-bench.xz, and with $OUT set a copy there in parts of at most 15 MiB (the device tool brings
 # back files of up to 16 MiB): join them with cat.
 #   bash bench/build_llama.sh          (JOBS=N compile jobs, default one per core)
+# Built elsewhere (a machine with nvcc 13.0 but without the GPU machine's CPU), name the GPU host's instructions:
+#   CPU=spr bash bench/build_llama.sh  (Sapphire Rapids: AVX-512 with VNNI and BF16, AMX; not this CPU's native set)
 set -o pipefail
 cd "$(dirname "$0")/.."
 src=/tmp/llama-src build=/tmp/llama-build
 if [ ! -d $src/llama.cpp ]; then
     mkdir -p $src && tar xJf .llama/llama-src.tar.xz -C $src || exit 1
 fi
+cpu=
+if [ "${CPU:-}" = spr ]; then
+    cpu="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON
+         -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON
+         -DGGML_AMX_BF16=ON"
+fi
 t0=$(date +%s)
 cmake -S $src/llama.cpp -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF $cpu \
     > /tmp/llama-cmake.log 2>&1 || { tail -40 /tmp/llama-cmake.log; exit 1; }
 cmake --build $build --target llama-bench -j "${JOBS:-$(nproc)}" > /tmp/llama-build.log 2>&1 \
     || { grep -m5 -B2 -A8 "error" /tmp/llama-build.log; tail -20 /tmp/llama-build.log; exit 1; }
