@@ -74,28 +74,26 @@ def report(mode: str, wall: float, trace: str, a) -> None:
           f"{modes}); ms per chunk {spans['total'] / n:.1f} = " + " + ".join(f"{k} {v:.1f}" for k, v in parts.items()
                                                                              if v >= 0.05)
           + f" + other {spans['total'] / n - sum(parts.values()):.1f}")
-    layers = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    layers = defaultdict(lambda: [0.0] * 7)
     for r in steps:
-        for layer, k, nbytes, copy, exposed in r.get("stream", []):
-            x = layers[layer]
-            x[0] += k
-            x[1] += nbytes
-            x[2] += copy
-            x[3] += exposed
+        for layer, *vals in r.get("stream", []):
+            layers[layer] = [x + v for x, v in zip(layers[layer], vals)]
     if layers:
         print(f"  per layer, per chunk: {'layer':>5s} {'experts':>8s} {'MB':>8s} {'copy ms':>8s} {'exposed':>8s} "
-              f"{'hidden':>7s}")
-        tot = [0, 0, 0.0, 0.0]
+              f"{'hidden':>7s} {'pre ms':>7s} {'post ms':>7s} {'idle ms':>7s}")
+        tot = [0.0] * 7
+
+        def row(label, k, nbytes, copy, exposed, pre, post, idle, tail=""):
+            print(f"  {'':21s}{label:>5} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
+                  f"{100 * (1 - exposed / copy) if copy else 0:6.1f}% {pre / n:7.2f} {post / n:7.2f} {idle / n:7.2f}"
+                  + tail)
         for layer in sorted(layers):
-            k, nbytes, copy, exposed = layers[layer]
-            tot = [tot[0] + k, tot[1] + nbytes, tot[2] + copy, tot[3] + exposed]
+            tot = [t + v for t, v in zip(tot, layers[layer])]
             if a.all_layers or layer < 3 or layer >= max(layers) - 1:
-                print(f"  {'':21s}{layer:5d} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
-                      f"{100 * (1 - exposed / copy) if copy else 0:6.1f}%")
-        k, nbytes, copy, exposed = tot
-        rate = nbytes / (copy * 1e-3) / 1e9 if copy else 0.0
-        print(f"  {'':21s}{'all':>5s} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
-              f"{100 * (1 - exposed / copy) if copy else 0:6.1f}%   ({rate:.1f} GB/s while copying)")
+                row(layer, *layers[layer])
+        rate = tot[1] / (tot[2] * 1e-3) / 1e9 if tot[2] else 0.0
+        row("all", *tot, tail=f"   ({rate:.1f} GB/s while copying; the device computed {(tot[4] + tot[5]) / n:.1f} "
+                              f"ms a chunk and idled {tot[6] / n:.1f} between layers)")
 
 
 def main() -> None:

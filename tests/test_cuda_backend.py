@@ -408,7 +408,7 @@ def test_scheduler_streamed_prefill(case):
     """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
     the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by one-row
     steps first) used in place and kept; every position against transformers, and against the split path (CPU
-    pool and uploads) within 1e-5; the device timed every layer's copies."""
+    pool and uploads) within 1e-5; the device timed every layer's copies and compute."""
     import asyncio
 
     from strata.host.scheduler import HostConfig, Scheduler
@@ -452,6 +452,7 @@ def test_scheduler_streamed_prefill(case):
         assert [x[0] for x in t] == list(range(cfg.n_layer))
         assert all(x[1] <= cfg.n_expert - sum(1 for (l, _) in cached if l == x[0]) for x in t)
         assert all(x[3] > 0 for x in t if x[1])
+        assert all(x[5] > 0 and x[6] > 0 for x in t)                 # pre and post timed on the device
     assert sum(x[1] for x in times[0]) > 0
 
 

@@ -63,15 +63,16 @@ async def test_streaming_uses_cache_hits_in_place(realistic_gguf):
     blob = ExpertLayout.from_model(model).blob_bytes(0)
     be = StreamVramOnCpu(model, 12)
     streamed: list[int] = []
-    real = be.stream_expert
+    real = be.stream_experts
 
-    def spy(layer, expert, *views):
-        streamed.append((layer, expert))
-        assert (layer, expert) not in be.where, "a cached expert was streamed"
-        real(layer, expert, *views)
+    def spy(layer, items):
+        for expert, *_ in items:
+            streamed.append((layer, expert))
+            assert (layer, expert) not in be.where, "a cached expert was streamed"
+        real(layer, items)
 
     # the cache is full after the one-row steps: a streamed chunk finds no free slot, so it evicts nothing
-    be.stream_expert = lambda layer, expert, *views: spy(layer, expert, *views)
+    be.stream_experts = spy
     sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=12 * blob, stream_experts="always"))
     try:
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:6])    # 1-row steps: uploads
@@ -95,18 +96,19 @@ async def test_streamed_chunk_fills_free_cache_slots(realistic_gguf):
     blob = ExpertLayout.from_model(model).blob_bytes(0)
     be = StreamVramOnCpu(model, 20)
     to_buffer: list[int] = []
-    real = CpuBackend.stream_expert
+    real = CpuBackend.stream_experts
 
-    def spy(self, layer, expert, gate, up, down, slot=None):
-        if slot is None:                                # through the stream buffer, not into a free cache slot
-            to_buffer.append(layer)
-        real(self, layer, expert, gate, up, down, slot)
+    def spy(self, layer, items):
+        for *_, slot in items:
+            if slot is None:                            # through the stream buffer, not into a free cache slot
+                to_buffer.append(layer)
+        real(self, layer, items)
     sched = Scheduler(model, be, HostConfig(step_tokens=4, vram_budget_bytes=20 * blob, stream_experts="always"))
     try:
-        CpuBackend.stream_expert = spy
+        CpuBackend.stream_experts = spy
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)          # 4 chunks of 4 rows
     finally:
-        CpuBackend.stream_expert = real
+        CpuBackend.stream_experts = real
         await sched.aclose()
     cfg = model.cfg
     total = cfg.n_layer * cfg.n_expert
@@ -126,10 +128,10 @@ def test_stream_protocol_is_checked(realistic_gguf):
     be.begin(Step((Segment(seq2, (3, 17, 42), 0, "last"),)))
     be.stream_open(0)
     with pytest.raises(BackendError, match="not open"):
-        be.stream_expert(1, 0, *_views(be, 0, 0))
-    be.stream_expert(0, 0, *_views(be, 0, 0))
+        be.stream_experts(1, [(0, *_views(be, 0, 0), None)])
+    be.stream_experts(0, [(0, *_views(be, 0, 0), None)])
     with pytest.raises(BackendError, match="streamed twice"):
-        be.stream_expert(0, 0, *_views(be, 0, 0))
+        be.stream_experts(0, [(1, *_views(be, 0, 1), None), (0, *_views(be, 0, 0), None)])
     with pytest.raises(BackendError, match="is open"):
         be.stream_open(2)
     be.stream_close(0)
@@ -156,7 +158,7 @@ def test_streamed_post_protocol(realistic_gguf):
     seq = be.new_seq()
     be.begin(Step((Segment(seq, (3, 17, 42), 0, "last"),)))
     be.stream_open(0)
-    be.stream_expert(0, 0, *_views(be, 0, 0))
+    be.stream_experts(0, [(0, *_views(be, 0, 0), None)])
     be.launch_pre(0)
     with pytest.raises(BackendError, match="no closed stream"):
         be.launch_post_streamed(0)

@@ -476,11 +476,13 @@ class CudaBackend:
             self.loads_turn = 0
             self._inflight: list[object] = [None] * LOAD_EVENTS       # what each event's copies read
             # streamed steps: the copies of layer l start once post[l - 2] is done (ev_post_done, per parity) and
-            # post[l] waits for their end (ev_s1[l]); ev_s0 and ev_m time the copies and what post[l] waited
+            # post[l] waits for their end (ev_s1[l]); ev_s0 and ev_m time the copies and what post[l] waited;
+            # ev_p0 (before pre[l]) and ev_p1 (after post[l]) time the layer's compute and the device's idle gaps
             n = cfg.n_layer if self.n_stream else 0
             self.ev_begin = drv.Event()
             self.ev_post_done = [drv.Event(), drv.Event()]
-            self.ev_s0, self.ev_s1, self.ev_m = ([drv.Event(timing=True) for _ in range(n)] for _ in range(3))
+            self.ev_s0, self.ev_s1, self.ev_m, self.ev_p0, self.ev_p1 = (
+                [drv.Event(timing=True) for _ in range(n)] for _ in range(5))
             self._stream: list[dict | None] = [None, None]
             self._stream_keep: list[tuple] = []
             self._stream_log: list[tuple] = []
@@ -885,6 +887,8 @@ class CudaBackend:
         seq.layer, seq.route = layer, None
         seq.t_pre = time.monotonic()
         if self.cur.T > 1:
+            if self.n_stream:
+                self.ev_p0[layer].record(self.stream)
             self.batch.run("pre", self.batch.bucket(self.cur.T), layer)
         else:
             self._run_stages(seq, ("pre", layer), self.pre[layer], layer)
@@ -1169,33 +1173,35 @@ class CudaBackend:
         self._stream[p] = {"layer": layer, "slots": {}, "open": True, "n": 0, "bytes": 0, "keep": []}
 
     @_guarded
-    def stream_expert(self, layer: int, expert: int, gate, up, down, slot: int | None = None) -> None:
-        """Expert `expert` of the open layer into the next stream slot, or into cache slot `slot`, free in the
-        host's policy (it then stays resident). A slot that never held an expert needs no wait but the stream's;
-        one whose old expert the policy dropped (an eviction that freed more room than it used) waits for the
-        launches so far, as load_expert's copies do."""
+    def stream_experts(self, layer: int, items) -> None:
+        """Experts of the open layer, in order, each (expert, gate, up, down, slot): into the next stream slot, or
+        into cache slot `slot` (not None), free in the host's policy (it then stays resident). A slot that never
+        held an expert needs no wait but the stream's; one whose old expert the policy dropped (an eviction that
+        freed more room than it used) waits for the launches so far, as load_expert's copies do."""
         s = self._stream[layer % 2] if self.n_stream else None
         if s is None or s["layer"] != layer or not s["open"]:
-            raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
-        if not 0 <= expert < self.cfg.n_expert or expert in s["slots"]:
-            raise BackendError(f"stream_expert: expert {expert} of layer {layer} (out of range or streamed twice)")
-        if (layer, expert) in self._slot_of:
-            raise BackendError(f"stream_expert: expert {expert} of layer {layer} is in the cache; a step streams "
-                               f"only what its layers lack")
-        if slot is not None and not 0 <= slot < self.n_slots:
-            raise BackendError(f"stream_expert: cache slot {slot} of {self.n_slots}")
-        parts = self._device_parts(layer, expert, gate, up, down, "stream_expert")
-        used = False
-        if slot is None:
-            slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
-            s["slots"][expert] = slot
-        else:
-            used = self._owner[slot] is not None
-            self._own(slot, layer, expert)
-        self._copy_into(slot, parts, (layer, expert, slot), after_launches=used)
-        s["keep"].append(parts)
-        s["n"] += 1
-        s["bytes"] += sum(x.nbytes for x in parts)
+            raise BackendError(f"stream_experts: layer {layer}'s stream is not open")
+        for expert, gate, up, down, slot in items:
+            if not 0 <= expert < self.cfg.n_expert or expert in s["slots"]:
+                raise BackendError(f"stream_experts: expert {expert} of layer {layer} (out of range or streamed "
+                                   f"twice)")
+            if (layer, expert) in self._slot_of:
+                raise BackendError(f"stream_experts: expert {expert} of layer {layer} is in the cache; a step "
+                                   f"streams only what its layers lack")
+            if slot is not None and not 0 <= slot < self.n_slots:
+                raise BackendError(f"stream_experts: cache slot {slot} of {self.n_slots}")
+            parts = self._device_parts(layer, expert, gate, up, down, "stream_experts")
+            used = False
+            if slot is None:
+                slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
+                s["slots"][expert] = slot
+            else:
+                used = self._owner[slot] is not None
+                self._own(slot, layer, expert)
+            self._copy_into(slot, parts, (layer, expert, slot), after_launches=used)
+            s["keep"].append(parts)
+            s["n"] += 1
+            s["bytes"] += sum(x.nbytes for x in parts)
 
     @_guarded
     def stream_close(self, layer: int) -> None:
@@ -1217,15 +1223,20 @@ class CudaBackend:
                 left.append((ev, keep))
         self._stream_keep = left
 
-    def stream_times(self) -> list[tuple[int, int, int, float, float]]:
-        """After a streamed step's head: (layer, experts, bytes, copy_ms, exposed_ms) per layer, the device's
-        time from the copies' start (their buffer free) to their end, and of it the part after post[layer]
-        reached its wait for them."""
-        out = []
+    def stream_times(self) -> list[tuple[int, int, int, float, float, float, float, float]]:
+        """After a streamed step's head: (layer, experts, bytes, copy_ms, exposed_ms, pre_ms, post_ms, idle_ms)
+        per layer: the device's time from the copies' start (their buffer free) to their end, and of it the part
+        after post[layer] reached its wait for them; pre[layer]'s and post[layer]'s time on the compute stream (post
+        with that wait); and how long the compute stream sat idle between post[layer - 1] and pre[layer] (a
+        launch that came late)."""
+        out, streamed = [], {layer for layer, _, _ in self._stream_log}
         for layer, n, nbytes in self._stream_log:
             copy = self.ev_s1[layer].elapsed_ms(self.ev_s0[layer])
             exposed = max(0.0, self.ev_s1[layer].elapsed_ms(self.ev_m[layer]))
-            out.append((layer, n, nbytes, copy, exposed))
+            pre = self.ev_m[layer].elapsed_ms(self.ev_p0[layer])
+            post = self.ev_p1[layer].elapsed_ms(self.ev_m[layer])
+            idle = max(0.0, self.ev_p0[layer].elapsed_ms(self.ev_p1[layer - 1])) if layer - 1 in streamed else 0.0
+            out.append((layer, n, nbytes, copy, exposed, pre, post, idle))
         return out
 
     @_guarded
@@ -1289,6 +1300,7 @@ class CudaBackend:
         self.batch.run("post", self.batch.bucket(self.cur.T), layer)
         self._mark_needed = True
         self.ev_post_done[layer % 2].record(self.stream)
+        self.ev_p1[layer].record(self.stream)
         self._posted = layer
         seq.phase = "streamed"
 

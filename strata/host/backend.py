@@ -16,14 +16,17 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       replacing whatever the slot held; the host's cache policy picks the slot
     stream_slots() -> int             optional: how many experts of one layer a step may stream (0: none); then
     stream_open(l)                    per layer of a step of several rows, in layer order: layer l's stream buffer
-    stream_expert(l, e, g, u, d, s)   (two buffers, alternating by layer) takes experts copied while the layer
-    stream_close(l)                   before computes; opened once post[l - 2] (its buffer's last reader) is
-                                      launched; launch_post(l) computes the streamed experts where its plan marks
-                                      them resident (with the cache's), after the copies. s: a free cache slot
-                                      the host's policy picked (or None): the copy goes there and the expert
-                                      stays resident, ordered like the stream's other copies
-    stream_times()                    after a streamed step: [(layer, experts, bytes, copy_ms, exposed_ms)], the
-                                      device's copy time per layer and how much of it post[l] waited for
+    stream_experts(l, items)          (two buffers, alternating by layer) takes experts copied while the layer
+    stream_close(l)                   before computes, items (e, g, u, d, s) in order, in one call or several;
+                                      opened once post[l - 2] (its buffer's last reader) is launched;
+                                      launch_post(l) computes the streamed experts where its plan marks them
+                                      resident (with the cache's), after the copies. s: a free cache slot the
+                                      host's policy picked (or None): the copy goes there and the expert stays
+                                      resident, ordered like the stream's other copies
+    stream_times()                    after a streamed step: [(layer, experts, bytes, copy_ms, exposed_ms, pre_ms,
+                                      post_ms, idle_ms)], the device's copy time per layer, how much of it post[l]
+                                      waited for, pre[l]'s and post[l]'s device time, the device's idle gap before
+                                      pre[l]
     launch_post(plan)                 start post[plan.layer] with the host's expert outputs (ExpertPlan); the next
                                       launch (pre[l+1] or the head) follows it on the device in order, so the host
                                       never waits for a post: the next doorbell says it is done
@@ -461,31 +464,32 @@ class CpuBackend:
                                f"launched")
         self._stream[layer % 2] = [layer, {}, True]
 
-    def stream_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                      slot: int | None = None) -> None:
+    def stream_experts(self, layer: int, items) -> None:
         s = self._stream.get(layer % 2)
         if s is None or s[0] != layer or not s[2]:
-            raise BackendError(f"stream_expert: layer {layer}'s stream is not open")
-        if not 0 <= expert < self.cfg.n_expert or expert in s[1]:
-            raise BackendError(f"stream_expert: expert {expert} of layer {layer} (out of range or streamed twice)")
-        if self.n_slots and self._slots[layer, expert] >= 0:
-            raise BackendError(f"stream_expert: expert {expert} of layer {layer} is in the cache; a step streams "
-                               f"only what its layers lack")
-        if slot is not None:                      # a free cache slot takes it (the same copy, as on the GPU)
-            self.load_expert(layer, expert, slot, gate, up, down)
-            return
-        s[1][expert] = _Copy(gate, up, down)
+            raise BackendError(f"stream_experts: layer {layer}'s stream is not open")
+        for expert, gate, up, down, slot in items:
+            if not 0 <= expert < self.cfg.n_expert or expert in s[1]:
+                raise BackendError(f"stream_experts: expert {expert} of layer {layer} (out of range or streamed "
+                                   f"twice)")
+            if self.n_slots and self._slots[layer, expert] >= 0:
+                raise BackendError(f"stream_experts: expert {expert} of layer {layer} is in the cache; a step "
+                                   f"streams only what its layers lack")
+            if slot is not None:                  # a free cache slot takes it (the same copy, as on the GPU)
+                self.load_expert(layer, expert, slot, gate, up, down)
+            else:
+                s[1][expert] = _Copy(gate, up, down)
 
     def stream_close(self, layer: int) -> None:
         s = self._stream.get(layer % 2)
         if s is None or s[0] != layer or not s[2]:
             raise BackendError(f"stream_close: layer {layer}'s stream is not open")
         s[2] = False
-        self._stream_log.append((layer, len(s[1]), sum(c.nbytes for c in s[1].values()), 0.0, 0.0))
+        self._stream_log.append((layer, len(s[1]), sum(c.nbytes for c in s[1].values()), 0.0, 0.0, 0.0, 0.0, 0.0))
 
     def stream_times(self) -> list[tuple]:
-        """(layer, experts, bytes, copy_ms, exposed_ms): the copies are host memory copies made at once (no
-        device time to measure: 0)."""
+        """(layer, experts, bytes, copy_ms, exposed_ms, pre_ms, post_ms, idle_ms): the copies are host memory
+        copies made at once and the layers compute on the host (no device time to measure: 0)."""
         return list(self._stream_log)
 
     def check_plan(self, plan: ExpertPlan) -> None:

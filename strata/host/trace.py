@@ -31,8 +31,9 @@ rows only), "decode" (decode rows only) or "mixed".
                                                                        # one graph, misses read by the kernels
                                                                        # from pinned host memory
      "mapped":  [experts, bytes],                                      # mapped steps: the misses read in place
-     "stream":  [[layer, experts, bytes, copy_ms, exposed_ms], ...],   # stream steps: the device's copy time per
-                                                                       # layer, and of it what post[l] waited for
+     "stream":  [[layer, experts, bytes, copy_ms, exposed_ms,          # stream steps: the device's copy time per
+                  pre_ms, post_ms, idle_ms], ...],                     # layer, of it what post[l] waited for, the
+                                                                       # layer's compute and the idle gap before it
      "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
                  "ssd_hidden_ms": of it behind device, CPU pool or upload work, "ssd_exposed_ms": of it while the
                  driver only waited},
@@ -112,7 +113,7 @@ class StepTrace:
     ple: list = field(default_factory=lambda: [0, 0])     # [rows, cache hits]
     prefetch: list = field(default_factory=lambda: [0, 0, 0])     # [reads started, misses, misses predicted]
     mode: str = "split"                           # how the layers' misses were served: "split" or "stream"
-    stream: list = field(default_factory=list)    # (layer, experts, bytes, copy_ms, exposed_ms): stream steps
+    stream: list = field(default_factory=list)    # (layer, experts, bytes, copy, exposed, pre, post, idle ms)
     mapped: list = field(default_factory=lambda: [0, 0])  # mapped steps: [VRAM misses read in place, their bytes]
 
     @property
@@ -172,7 +173,7 @@ class StepTrace:
                 "cpu": [[l, n, b, _ms(t0), _ms(t1)] for l, n, b, t0, t1 in self.cpu],
                 "experts": [list(e) for e in self.experts], "ple": list(self.ple), "tiers": self.tiers(),
                 "prefetch": list(self.prefetch), "experts_mode": self.mode,
-                "stream": [[l, n, b, round(c, 3), round(x, 3)] for l, n, b, c, x in self.stream],
+                "stream": [[l, n, b, *(round(v, 3) for v in ms)] for l, n, b, *ms in self.stream],
                 "mapped": list(self.mapped),
                 "peak_rss": _peak_rss(self.step, self.kind)}
 
