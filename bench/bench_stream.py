@@ -74,19 +74,25 @@ def report(mode: str, wall: float, trace: str, a) -> None:
           f"{modes}); ms per chunk {spans['total'] / n:.1f} = " + " + ".join(f"{k} {v:.1f}" for k, v in parts.items()
                                                                              if v >= 0.05)
           + f" + other {spans['total'] / n - sum(parts.values()):.1f}")
-    layers = defaultdict(lambda: [0.0] * 7)
+    layers = defaultdict(lambda: [0.0] * 9)      # the stream tuple's 7 values, then the host's two waits
+    host = {"stream_wait": 7, "doorbell": 8}
     for r in steps:
         for layer, *vals in r.get("stream", []):
-            layers[layer] = [x + v for x, v in zip(layers[layer], vals)]
+            layers[layer][:7] = [x + v for x, v in zip(layers[layer], vals)]
+        for kind, layer, t0, t1 in r["spans"]:
+            if kind in host and layer >= 0:
+                layers[layer][host[kind]] += t1 - t0
     if layers:
         print(f"  per layer, per chunk: {'layer':>5s} {'experts':>8s} {'MB':>8s} {'copy ms':>8s} {'exposed':>8s} "
-              f"{'hidden':>7s} {'pre ms':>7s} {'post ms':>7s} {'idle ms':>7s}")
-        tot = [0.0] * 7
+              f"{'hidden':>7s} {'pre ms':>7s} {'post ms':>7s} {'idle ms':>7s} {'enqueue':>7s} {'bell':>7s}")
+        print(f"  {'':21s}(device: copies, their part post waited for, pre, post, the idle gap before pre; host: "
+              f"the wait for the layer's copies to be enqueued, then for its doorbell)")
+        tot = [0.0] * 9
 
-        def row(label, k, nbytes, copy, exposed, pre, post, idle, tail=""):
+        def row(label, k, nbytes, copy, exposed, pre, post, idle, enq, bell, tail=""):
             print(f"  {'':21s}{label:>5} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
                   f"{100 * (1 - exposed / copy) if copy else 0:6.1f}% {pre / n:7.2f} {post / n:7.2f} {idle / n:7.2f}"
-                  + tail)
+                  f" {enq / n:7.2f} {bell / n:7.2f}" + tail)
         for layer in sorted(layers):
             tot = [t + v for t, v in zip(tot, layers[layer])]
             if a.all_layers or layer < 3 or layer >= max(layers) - 1:
