@@ -12,7 +12,7 @@
 // never overflows. Each k-chunk's MMAs go into zeroed registers, brought back from the chunk's shifts (exact
 // powers of two) and added into the f32 result with an FMA: the tensor cores' f32 accumulation truncates, so one
 // accumulator carried over the whole input drifted with its length (3.8e-5 from float64 at n_in 10240 against
-// 4e-7 this way, H200, bench/gemm_accuracy.py), for ~8% more time (more registers a thread). Accumulation is in a
+// 4e-7 this way, H200, bench/gemm_accuracy.py), for ~9% more time (more registers a thread). Accumulation is in a
 // fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
 // which other rows share its tile.
 #pragma once
