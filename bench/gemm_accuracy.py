@@ -42,7 +42,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     T = args.rows
     print(f"device: {dev.name}; {T} rows; max over rows of the relative error")
-    print(f"{'type':6s} {'n_out':>5s} {'n_in':>6s} {'GEMM vs f64':>12s} {'GEMV vs f64':>12s} {'GEMM vs GEMV':>13s}  kernel")
+    print(f"{'type':6s} {'n_out':>5s} {'n_in':>6s} {'GEMM vs f64':>12s} {'GEMV vs f64':>12s} {'GEMM vs GEMV':>13s}"
+          f"  kernel")
     cases = [(qt, n_out, n_in) for n_out in map(int, args.n_out.split(","))
              for qt in (QType.Q8_0, QType.F32, QType.IQ4_XS, QType.Q6_K) for n_in in (512, 2560, 6144, 10240)]
     for qt, n_out, n_in in cases:

@@ -2,7 +2,7 @@
 # The batched GEMM on the GPU machine, one call: for each set of compile-time defines in VARIANTS (';'-separated,
 # the first the default build), the GEMM kernel tests, bench/gemm_accuracy.py (error against float64 and the GEMV
 # as n_in grows) and bench/bench_gemm.py (time per launch at 512 and 4096 rows). Logs: $OUT/gemm_<n>_*.log.
-#   VARIANTS=";GM_PARTIAL=1 GM_BIG_CTAS=2" bash bench/gpu_gemm.sh
+#   VARIANTS=";NAME=VALUE OTHER=VALUE" bash bench/gpu_gemm.sh   (the default build, then one with those -D defines)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1

@@ -734,8 +734,9 @@ def test_gemm_formats(rig, qt, max_rows):
 
 
 @pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])
-@pytest.mark.parametrize("n_in, n_out, kernel", [(512, 70, "gemm_jobs64_k64_m64"), (10240, 70, "gemm_jobs64_k64_m64"),
-                                                 (6144, 1100, "gemm_jobs64_k64")], ids=["k512", "k10240", "k6144_wide"])
+@pytest.mark.parametrize("n_in, n_out, kernel",
+                         [(512, 70, "gemm_jobs64_k64_m64"), (10240, 70, "gemm_jobs64_k64_m64"),
+                          (6144, 1100, "gemm_jobs64_k64")], ids=["k512", "k10240", "k6144_wide"])
 def test_gemm_dynamic_range(rig, qt, n_in, n_out, kernel):
     """f16 halves hold about 5 decades, so the tile scales each row's k-chunk by a power of two: weight rows from
     1e-7 to 1e3, step rows from 1e-9 to 1e4, a row whose magnitude jumps 1e6 between k-chunks, one with zero

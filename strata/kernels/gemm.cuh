@@ -328,7 +328,7 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             }
         __syncthreads();
     }
-    // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8; back from the last shifts
+    // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
