@@ -37,9 +37,10 @@ async def run(a, mode: str, trace: str) -> tuple[float, dict]:
                       max_ctx=-(-(a.tokens + 64) // 1024) * 1024)
     if a.backend == "cpu":
         model = load_model(a.model)
-        eng = Engine(model, backend=CpuBackend(model, stream=True), host=host, trace=trace)
+        eng = Engine(model, backend=CpuBackend(model, stream=True), host=host, trace=trace,
+                     freeze_gc=a.gc_freeze == "on")
     else:
-        eng = await Engine.open(a.model, backend="cuda", host=host, trace=trace)
+        eng = await Engine.open(a.model, backend="cuda", host=host, trace=trace, freeze_gc=a.gc_freeze == "on")
     try:
         await eng.preload_experts()
         rng = np.random.default_rng(3)
@@ -74,6 +75,9 @@ def report(mode: str, wall: float, trace: str, a) -> None:
           f"{modes}); ms per chunk {spans['total'] / n:.1f} = " + " + ".join(f"{k} {v:.1f}" for k, v in parts.items()
                                                                              if v >= 0.05)
           + f" + other {spans['total'] / n - sum(parts.values()):.1f}")
+    pauses = [t1 - t0 for r in steps for _, t0, t1 in r.get("gc", ())]
+    print(f"  Python's collector (gc freeze {a.gc_freeze}): {len(pauses) / n:.0f} runs a chunk, pausing every thread "
+          f"{sum(pauses) / n:.2f} ms a chunk, the longest {max(pauses, default=0.0):.2f} ms")
     layers = defaultdict(lambda: [0.0] * 9)      # the stream tuple's 7 values, then the host's two waits
     host = {"stream_wait": 7, "doorbell": 8}
     for r in steps:
@@ -112,6 +116,8 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=512, help="rows a chunk")
     ap.add_argument("--modes", default="always,never", help="stream_experts settings, each its own engine")
     ap.add_argument("--all-layers", action="store_true", help="every layer's row (default: the first 3, last 2)")
+    ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
+                    help="Engine(freeze_gc=...): off shows what the collector's full passes cost")
     a = ap.parse_args()
     import uvloop
     for mode in a.modes.split(","):

@@ -14,6 +14,7 @@ ContextLengthError), stop strings (held back across tokens, never emitted) and e
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -135,10 +136,17 @@ class Engine:
 
     def __init__(self, model: Model, exact: bool = False, *, backend: str | Backend = "cpu",
                  host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None, n_ctx: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, freeze_gc: bool = True):
         """n_ctx: the context length every request must fit (prompt + max_tokens); None: the file's context_length
         (DEFAULT_CTX when it has none), at most what the backend holds (a device KV cache's max_ctx). `log` gets
-        the open line (open_line: the memory tiers, how the file is read, peak RSS)."""
+        the open line (open_line: the memory tiers, how the file is read, peak RSS). freeze_gc: once open, move
+        every object the process holds into the collector's permanent generation (gc.freeze), so that Python's
+        full collections, which stop every thread, no longer walk the imported modules and the model's objects
+        (on the H200's host, waits of 88 and 112 ms held back a streamed prefill chunk's launches and were gone
+        with the collector off: 1,932 ms a chunk, 1,729 off; bench/RESULTS.md 2026-12-03); again after the first step
+        of each kind, for what it made to last (lazy imports, compiled kernels, graphs). Frozen objects are still
+        freed when their last reference goes (the engine's own are: it holds no cycles), but never as cyclic
+        garbage, so the open collects first."""
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = Tokenizer.from_metadata(model.metadata)
@@ -159,23 +167,29 @@ class Engine:
         if log is not None:
             log(self.open_line)
         self._loop: asyncio.AbstractEventLoop | None = None        # the sync wrappers' own loop
+        if freeze_gc:
+            gc.collect()                    # garbage cycles alive now would never be collected once frozen
+            gc.freeze()
+            self.scheduler.freeze_after = {"prefill", "decode", "mixed"}
 
     @classmethod
     def open_sync(cls, path: str | os.PathLike | None = None, *, exact: bool = False, backend: str | Backend = "cpu",
                   host: HostConfig = HostConfig(), trace: str | os.PathLike | None = None,
-                  n_ctx: int | None = None, log: Callable[[str], None] | None = None) -> "Engine":
+                  n_ctx: int | None = None, log: Callable[[str], None] | None = None,
+                  freeze_gc: bool = True) -> "Engine":
         return cls(load_model(_resolve(path), exact=exact), exact=exact, backend=backend, host=host, trace=trace,
-                   n_ctx=n_ctx, log=log)
+                   n_ctx=n_ctx, log=log, freeze_gc=freeze_gc)
 
     @classmethod
     async def open(cls, path: str | os.PathLike | None = None, *, exact: bool = False,
                    backend: str | Backend = "cpu", host: HostConfig = HostConfig(),
                    trace: str | os.PathLike | None = None, n_ctx: int | None = None,
-                   log: Callable[[str], None] | None = None) -> "Engine":
+                   log: Callable[[str], None] | None = None, freeze_gc: bool = True) -> "Engine":
         """Parse and check the file on a thread; the backend is made on the calling (loop) thread, which is where
         it will be called from (a CUDA context is per thread)."""
         model = await asyncio.to_thread(lambda: load_model(_resolve(path), exact=exact))
-        return cls(model, exact=exact, backend=backend, host=host, trace=trace, n_ctx=n_ctx, log=log)
+        return cls(model, exact=exact, backend=backend, host=host, trace=trace, n_ctx=n_ctx, log=log,
+                   freeze_gc=freeze_gc)
 
     def check_tokens(self, tokens: Sequence[int]) -> list[int]:
         out = []

@@ -147,3 +147,22 @@ def test_missing_cuda_install_is_one_clear_error(tiny_gguf):
         pytest.skip(f"cuda-bindings is installed here ({why or 'a GPU is usable'})")
     with pytest.raises(BackendUnavailable, match=r"cuda-bindings is not installed .* pip install -e '\.\[cuda\]'"):
         make_backend("cuda", load_model(tiny_gguf), HostConfig())
+
+
+def test_engine_freezes_what_it_loaded(tiny_gguf):
+    """Open, the engine moves every object into the collector's permanent generation (full collections then do
+    not walk them), and again after the first step of each kind (what the request made for good, lazy imports
+    included), so that a full collection after a request walks almost nothing; freeze_gc=False leaves the
+    collector as it was."""
+    import gc
+    params = SamplingParams(max_tokens=3, stop_at_eos=False)
+    gc.unfreeze()
+    with Engine.open_sync(tiny_gguf, freeze_gc=False) as e:
+        e.generate_text("Once upon a time", params)
+        assert gc.get_freeze_count() == 0 and e.scheduler.freeze_after == set()
+    with Engine.open_sync(tiny_gguf) as e:
+        assert gc.get_freeze_count() > 0 and e.scheduler.freeze_after == {"prefill", "decode", "mixed"}
+        e.generate_text("Once upon a time", params)
+        assert e.scheduler.freeze_after == {"mixed"}          # one prefill step, then decode steps
+        gc.collect()
+        assert len(gc.get_objects()) < gc.get_freeze_count() / 10

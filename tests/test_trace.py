@@ -124,3 +124,29 @@ async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys, ex
     assert "other/host (residual)" in out and "total (measured wall)" in out and "hidden behind device" in out
     assert out.count("ms/step") >= 2 and "decode: 4 steps, 4 decoded tokens" in out
     assert f"prefill: 1 steps, {n_prompt} prompt tokens" in out
+
+
+def test_gc_pauses_are_recorded_and_summarized():
+    """A full collection inside a step's interval is in its record's "gc" list (generation 2, inside the step),
+    and the summary counts the pauses and prints them."""
+    import gc
+
+    from strata.host.trace import StepTrace, clock, gc_pauses, watch_gc
+    watch_gc()
+    st = StepTrace(1, [[1, "decode", 1, 0]], clock())
+    gc.collect()
+    st.t1 = clock()
+    pauses = gc_pauses(st.t0, st.t1)
+    assert any(g == 2 and st.t0 <= a <= b <= st.t1 for g, a, b in pauses)
+    rec = st.record()
+    assert [g for g, *_ in rec["gc"]] == [g for g, *_ in pauses]
+    assert all(rec["t0"] <= a <= b <= rec["t1"] for _, a, b in rec["gc"])
+    assert gc_pauses(st.t1 + 1.0, st.t1 + 2.0) == []
+
+    recs = [_record(0), _record(10)]
+    recs[0]["gc"] = [[0, 1.0, 1.5], [2, 4.0, 6.0]]
+    recs[1]["gc"] = [[1, 12.0, 12.5]]
+    (p,) = summarize(recs)
+    assert (p.gc_n, p.gc_ms, p.gc_max_ms) == (3, pytest.approx(1.5), pytest.approx(2.0))
+    assert p.ms["total"] == pytest.approx(10)            # pauses lie inside the spans: the partition is unchanged
+    assert "Python's collector: 3 runs, 1.500 ms/step of pauses" in format_summary([p])

@@ -21,6 +21,7 @@ requests in that step; a request's own (its sampler) end that request only.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -289,6 +290,7 @@ class Scheduler:
         self.chunk_modes: dict[str, int] = defaultdict(int)   # steps of several rows by how their experts went
         self.decode_modes: dict[str, int] = defaultdict(int)  # one-row steps likewise (split or mapped)
         self.prefetch_on = host.prefetch != "off"
+        self.freeze_after: set[str] = set()      # step kinds after whose first step gc.freeze() runs (Engine's)
         self._routed_prev: list[np.ndarray | None] = [None] * self.cfg.n_layer   # "previous": each layer's experts
         cap = getattr(backend, "max_step_tokens", None)         # CUDA: what make_backend opened it with
         want = host.step_tokens or cap or STEP_TOKENS
@@ -659,6 +661,9 @@ class Scheduler:
             st.span("finish", -1, t_f, clock())
         st.t1 = clock()
         self.tracer.emit(st)
+        if st.kind in self.freeze_after:         # what the first step of a kind made lives for good (lazy
+            self.freeze_after.discard(st.kind)   # imports, compiled kernels, captured graphs): out of the
+            gc.freeze()                          # collector's full passes too (Engine(freeze_gc))
         return st.t1
 
     @staticmethod

@@ -37,15 +37,19 @@ rows only), "decode" (decode rows only) or "mixed".
      "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
                  "ssd_hidden_ms": of it behind device, CPU pool or upload work, "ssd_exposed_ms": of it while the
                  driver only waited},
+     "gc":      [[generation, t0, t1], ...],                           # Python's cyclic collector inside the step:
+                                                                       # it stops every thread, so its pauses lie
+                                                                       # inside the spans above (and delay them)
      "peak_rss": bytes}                                                # the process's high-water mark so far
 """
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -79,6 +83,38 @@ LABELS = {
 def clock() -> float:
     """Seconds on the trace clock (perf_counter, shared by every thread)."""
     return time.perf_counter()
+
+
+# The collector's pauses (generation, start, end; trace clock), appended by its callback in whatever thread
+# allocated. A full collection walks every tracked object: in a streamed prefill chunk on the H200's host two
+# waits of 88 and 112 ms that were gone with the collector off (bench/RESULTS.md 2026-12-03), which is why
+# Engine freezes what it loaded.
+_GC: deque = deque(maxlen=4096)
+_GC_START = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC_START[0] = time.perf_counter()
+    else:
+        _GC.append((info["generation"], _GC_START[0], time.perf_counter()))
+
+
+def watch_gc() -> None:
+    """Record the cyclic collector's pauses from now on (once per process)."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+
+
+def gc_pauses(t0: float, t1: float) -> list[tuple[int, float, float]]:
+    """The recorded collections that began in [t0, t1], oldest first."""
+    out = []
+    for g, a, b in reversed(tuple(_GC)):            # a copy: the callback may append while this runs
+        if a < t0:
+            break
+        if a <= t1:
+            out.append((g, a, b))
+    return out[::-1]
 
 
 _PEAK = [0]
@@ -175,6 +211,7 @@ class StepTrace:
                 "prefetch": list(self.prefetch), "experts_mode": self.mode,
                 "stream": [[l, n, b, *(round(v, 3) for v in ms)] for l, n, b, *ms in self.stream],
                 "mapped": list(self.mapped),
+                "gc": [[g, _ms(a), _ms(b)] for g, a, b in gc_pauses(self.t0, self.t1)],
                 "peak_rss": _peak_rss(self.step, self.kind)}
 
     def tiers(self) -> dict:
@@ -196,6 +233,8 @@ class Tracer:
 
     def __init__(self, path: str | None = None):
         self.path = path
+        if path:
+            watch_gc()
         self._file: io.TextIOBase | None = open(path, "w", encoding="utf-8") if path else None
         self._log = (structlog.wrap_logger(structlog.WriteLogger(self._file),
                                            processors=[structlog.processors.JSONRenderer()])
@@ -335,6 +374,9 @@ class PhaseSummary:
     mapped_steps: int = 0         # steps run as mapped tokens; all steps: misses read in place, and their bytes
     mapped_experts: int = 0
     mapped_bytes: float = 0.0
+    gc_n: int = 0                 # all steps: the collector's runs, and per step their pause time; the longest
+    gc_ms: float = 0.0
+    gc_max_ms: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -374,6 +416,7 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
         ple = [r.get("ple", (0, 0)) for r in rs]
         sm = [x for r in rs if r.get("experts_mode") == "stream" for x in r.get("stream", [])]
         ns = max(sum(r.get("experts_mode") == "stream" for r in rs), 1)
+        gcs = [b - a for r in rs for _, a, b in r.get("gc", ())]
         out.append(PhaseSummary(
             phase, n, pt + dt, pt, dt, sums["total"], ms, dev, wait, ms["total"] - dev - wait,
             sum(b - a for a, b in io_u) / n, overlap(io_u, device) / n, sum(x[1] for r in rs for x in r["io"]) / n,
@@ -389,7 +432,7 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
             sum(r.get("experts_mode") == "stream" for r in rs), sum(x[2] for x in sm) / ns,
             sum(x[3] for x in sm) / ns, sum(x[4] for x in sm) / ns,
             sum(r.get("experts_mode") == "mapped" for r in rs), sum(r.get("mapped", (0, 0))[0] for r in rs),
-            sum(r.get("mapped", (0, 0))[1] for r in rs)))
+            sum(r.get("mapped", (0, 0))[1] for r in rs), len(gcs), sum(gcs) / n, max(gcs, default=0.0)))
     return out
 
 
@@ -450,6 +493,9 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
             lines.append(f"  prefetch (HostConfig.prefetch): {started / p.steps:.1f} reads started/step, "
                          f"{pct(predicted, misses)} of the VRAM misses predicted, {pct(predicted, started)} of the "
                          f"reads used")
+        if p.gc_n:
+            lines.append(f"  Python's collector: {p.gc_n} runs, {p.gc_ms:.3f} ms/step of pauses (every thread stopped, "
+                         f"inside the stages above), the longest {p.gc_max_ms:.3f} ms")
         if p.peak_rss:
             lines.append(f"  peak RSS {p.peak_rss / 2**20:.1f} MiB (the process's high-water mark; the page cache "
                          f"is not counted)")
