@@ -233,7 +233,8 @@ async def test_prompt_reads_run_ahead(tiny_gguf):
     log = []
     be, ple = sched.backend, sched.ple
     real_start, real_begin = ple.start, be.begin
-    ple.start = lambda rows: (log.append(("read", len(rows), len(set(rows.tolist())))), real_start(rows))[1]
+    ple.start = lambda rows, **kw: (log.append(("read", len(rows), len(set(rows.tolist())))),
+                                    real_start(rows, **kw))[1]
     be.begin = lambda step: (log.append(("begin", step.T)), real_begin(step))[1]
     try:
         await assert_parity(sched, Engine.open_sync(tiny_gguf), TOKENS[:10] + [TOKENS[1]] * 4)   # 3 chunks
@@ -255,7 +256,7 @@ async def test_decode_reads_run_ahead(tiny_gguf):
     log = []
     ple, tracer = sched.ple, sched.tracer
     real_start, real_emit = ple.start, tracer.emit
-    ple.start = lambda rows: (log.append("read"), real_start(rows))[1]
+    ple.start = lambda rows, **kw: (log.append("read"), real_start(rows, **kw))[1]
     tracer.emit = lambda st: (log.append("end"), real_emit(st))[1]
     try:
         req = sched.submit([3, 17, 42], SamplingParams(max_tokens=4, stop_at_eos=False))

@@ -179,6 +179,14 @@ def test_every_blob_and_row_equals_the_file(mode, realistic_tiny):
             fut = ple.start(rows)                               # gathered on this thread: done when returned
             assert fut.done() and np.array_equal(fut.result().e, dequantize(raw, table.qtype).reshape(len(rows), -1))
             assert fut.result().nbytes == 0 and fut.result().hits == len(rows)
+        # a prompt chunk's read (more than INLINE_ROWS rows) runs on the pool, gathered per token there
+        rows = rng.integers(0, n_rows, ple_io.INLINE_ROWS + 1)
+        gather = rng.integers(0, len(rows), (7, 3))
+        raw = np.stack([table.data[r * table.row_bytes:(r + 1) * table.row_bytes] for r in rows])
+        want = dequantize(raw, table.qtype).reshape(len(rows), -1)
+        got = ple.start(rows, gather=gather).result(timeout=30)
+        assert np.array_equal(got.e, want) and np.array_equal(got.vec, want[gather].reshape(7, -1))
+        assert ple.start(rows[:3]).result().vec is None
     finally:
         store.close()
         ple.close()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,7 @@ __all__ = ["PleReader", "PleRows", "RowCache", "pread_into"]
 
 MAX_RUN = 64               # adjacent blocks merged into one read at most (256 KiB): longer runs split for parallelism
 LOAD_CHUNK = 64 << 20      # load_table's reads
+INLINE_ROWS = 1024          # PleReader.start: in-RAM reads up to this many rows run on the caller's thread
 PLE_CACHE = 64 << 20       # the hot-row cache when the whole table is not held (HostConfig.ple_cache_bytes=None)
 
 
@@ -54,6 +55,7 @@ class PleRows:
     t1: float
     hits: int = 0          # rows the RAM cache gave
     reads: int = 0         # preads issued
+    vec: np.ndarray | None = None   # (n, heads x row): rows gathered per token (start's `gather`), when asked
 
 
 class RowCache:
@@ -123,15 +125,25 @@ class PleReader:
         self.threads = threads
         self.rows_asked = self.hits = self.ssd_bytes = 0     # totals: rows asked, the cache gave, bytes read
 
-    def start(self, rows: np.ndarray) -> Future:
-        """Begin reading table rows `rows` (U,) (a step's, deduplicated); the future gives PleRows. With the table
-        in RAM the rows are gathered now, on this thread: the future is done when it is returned."""
+    def start(self, rows: np.ndarray, gather: np.ndarray | None = None) -> Future:
+        """Begin reading table rows `rows` (U,) (a step's, deduplicated); the future gives PleRows, with `vec` the
+        rows per token when gather (n, heads) indexes rows for each token. With the table in RAM, reads of at
+        most INLINE_ROWS rows (a decode token's) are gathered now, on this thread, where a thread hop would cost
+        more: the future is done when it is returned; larger ones (a prompt chunk's: ~40 ms of gathering for 4096
+        tokens at the flash geometry, which the PLE layer's launch would wait for) run on the pool."""
         rows = np.asarray(rows, np.int64)
-        if self.table is None:
-            return self.pool.submit(self.read_rows, rows)
+
+        def read() -> PleRows:
+            got = self.read_rows(rows)
+            if gather is None:
+                return got
+            return replace(got, vec=np.take(got.e, gather, axis=0).reshape(len(gather), -1))
+
+        if self.table is None or len(rows) > INLINE_ROWS:
+            return self.pool.submit(read)
         f: Future = Future()
         try:
-            f.set_result(self.read_rows(rows))
+            f.set_result(read())
         except Exception as e:                   # raised where the future is awaited, like a failed read
             f.set_exception(e)
         return f

@@ -208,7 +208,8 @@ class _PleRead:
     @classmethod
     def start(cls, reader: PleReader, rows: np.ndarray) -> "_PleRead":
         uniq, inv = np.unique(rows, return_inverse=True)
-        return cls(rows, inv.reshape(rows.shape), reader.start(uniq))
+        inv = inv.reshape(rows.shape)
+        return cls(rows, inv, reader.start(uniq, gather=inv))      # the per-token gather off the loop too
 
 
 @dataclass(eq=False)
@@ -726,8 +727,9 @@ class Scheduler:
         return out
 
     async def _ple_vectors(self, step: Step, reads, st: StepTrace) -> np.ndarray:
-        """The step's gathered PLE vectors (T, ple_dim), once its reads are done."""
-        e = np.empty((step.T, self.cfg.ple_dim), F32)
+        """The step's gathered PLE vectors (T, ple_dim), once its reads are done: one segment's the read's own
+        (no copy on the loop's thread), several segments' copied together."""
+        e = None if len(reads) == 1 else np.empty((step.T, self.cfg.ple_dim), F32)
         seen = set()
         for (read, at), a, b in zip(reads, step.starts[:-1], step.starts[1:]):
             rows = await self._wait(read.fut, st, "ple_wait", self.ple_layer, "the PLE rows of the step")
@@ -736,7 +738,9 @@ class Scheduler:
                 st.ple_rows(len(rows.e), rows.hits)
                 if rows.nbytes:
                     st.read("ple", rows.nbytes, rows.t0, rows.t1)
-            e[a:b] = rows.e[read.inv[at:at + b - a]].reshape(b - a, -1)
+            if e is None:
+                return rows.vec[at:at + b - a]
+            e[a:b] = rows.vec[at:at + b - a]
         return e
 
     async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
