@@ -6,7 +6,7 @@
 #                                        weight in VRAM (bench_vs_llamacpp.py --skip-llama), a 4096-row chunk's stages
 #   bash bench/gpu_prefill.sh budget24   the same prefill and decode under the 24 GiB budget, then bench_stream.py's
 #                                        per-layer copy time and the share of it hidden behind compute (4096-row
-#                                        chunks, streamed)
+#                                        chunks, streamed), with the collector's freeze and without
 # PREFILL (default 512,4096,32768) and REPEATS (default 3) pass through; logs go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,8 @@ python3 bench/bench_vs_llamacpp.py --model $model --config "$config" --skip-llam
 if [ "$config" = vram ]; then
     python3 bench/bench_prefill_gpu.py --model $model --chunks 4096 --tokens 8192 2>&1 | tee "$out/stages.log" | tail -40
 else
-    python3 bench/bench_stream.py --model $model --tokens 8192 --step-tokens 4096 --modes always 2>&1 \
-        | tee "$out/stream.log" | tail -30
+    for gc in on off; do              # the collector's freeze (Engine's default) against none
+        python3 bench/bench_stream.py --model $model --tokens 8192 --step-tokens 4096 --modes always --all-layers \
+            --gc-freeze $gc 2>&1 | tee "$out/stream_gc_$gc.log" | tail -52
+    done
 fi
