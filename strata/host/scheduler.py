@@ -202,14 +202,12 @@ class Finished:
 class _PleRead:
     """Table rows in flight for some steps' rows: rows (n, heads) of n tokens, read once per distinct row."""
     rows: np.ndarray
-    inv: np.ndarray                  # (n, heads): index of each into the read's distinct rows
-    fut: Future                      # PleRows
+    fut: Future                      # PleRows, vec: the rows gathered per token (on the PLE thread for a chunk)
 
     @classmethod
     def start(cls, reader: PleReader, rows: np.ndarray) -> "_PleRead":
         uniq, inv = np.unique(rows, return_inverse=True)
-        inv = inv.reshape(rows.shape)
-        return cls(rows, inv, reader.start(uniq, gather=inv))      # the per-token gather off the loop too
+        return cls(rows, reader.start(uniq, gather=inv.reshape(rows.shape)))
 
 
 @dataclass(eq=False)
