@@ -90,7 +90,7 @@ def _host(a):
     ple = None if a.ple_cache_mib is None else int(a.ple_cache_mib * (1 << 20))
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host, ple_cache_bytes=ple, prefetch=a.prefetch,
-                      stream_experts=a.stream_experts, map_experts=a.map_experts,
+                      stream_experts=a.stream_experts, map_experts=a.map_experts, mapped_reads=a.mapped_reads,
                       promote_per_layer=a.promote_per_layer, promote_after=a.promote_after, **ctx)
 
 
@@ -338,6 +338,10 @@ def _engine_options(g) -> None:
                         "graph whose kernels read the VRAM cache's experts in place and the misses from pinned host "
                         "memory over PCIe (misses are promoted into the cache while the next token runs), instead of "
                         "a host round trip per layer; auto: by each mode's measured time per token")
+    g.add_argument("--mapped-reads", default="fetch", choices=["fetch", "direct"],
+                   help="mapped tokens: fetch, a kernel on every SM first copies each layer's misses from pinned "
+                        "host memory into VRAM staging (a PCIe read is as fast as the CTAs issuing it are many); "
+                        "direct, the expert kernels read them over PCIe themselves")
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")

@@ -40,6 +40,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preload", action="store_true", help="read every expert into host memory first")
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="HostConfig.map_experts: decode rows as one graph reading VRAM misses from host memory")
+    p.add_argument("--mapped-reads", default="fetch", choices=["fetch", "direct"],
+                   help="HostConfig.mapped_reads: a mapped token's misses copied into VRAM by a kernel on every SM "
+                        "first (fetch), or read over PCIe by the expert kernels (direct)")
     p.add_argument("--promote-after", type=int, default=None, metavar="N",
                    help="HostConfig.promote_after: mapped misses before an expert is promoted into the VRAM cache "
                         "(default: the engine's)")
@@ -61,7 +64,7 @@ async def preload(e: Engine) -> None:
 async def run(a: argparse.Namespace, trace: str) -> None:
     host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * GIB),
                       host_budget_bytes=None if a.host_budget_gib is None else int(a.host_budget_gib * GIB),
-                      cpu_threads=a.cpu_threads, map_experts=a.map_experts,
+                      cpu_threads=a.cpu_threads, map_experts=a.map_experts, mapped_reads=a.mapped_reads,
                       **({} if a.promote_after is None else {"promote_after": a.promote_after}))
     t0 = time.perf_counter()
     async with await Engine.open(a.model, backend=a.backend, host=host, trace=trace) as e:

@@ -472,12 +472,15 @@ def test_scheduler_mapped_decode(case):
     budget = probe.A.total + (1 << 20) + 12 * probe.slot_bytes         # 12 slots of the 32 experts
     probe.close()
 
-    def run(mode: str):
-        be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, log=print)
+    timed = []
+
+    def run(mode: str, reads: str = "fetch"):
+        be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, mapped_reads=reads, log=print)
         assert be.can_map and 0 < be.expert_slots() < cfg.n_layer * cfg.n_expert
         seen = []
-        real = be.token_routes
+        real, real_t = be.token_routes, be.mapped_timing
         be.token_routes = lambda: seen.append(real()) or seen[-1]
+        be.mapped_timing = lambda: timed.append(real_t()) or timed[-1]
 
         async def go():
             sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, map_experts=mode))
@@ -491,11 +494,15 @@ def test_scheduler_mapped_decode(case):
         out = asyncio.run(go())
         return np.asarray(out), seen, be.mapped
     mapped, seen, was_mapped = run("always")
+    assert len(timed) == len(tokens) and all(t["graph_ms"] > 0 and t["table_ms"] >= 0 for t in timed)
+    assert any(t["promoted"] is not None and t["promoted"][0] > 0 and t["promoted"][2] > 0 for t in timed)
+    direct, _, _ = run("always", "direct")
     split, seen_split, _ = run("never")
     _check(f"{spec.name} mapped decode", mapped, ref)
     assert was_mapped and len(seen) == len(tokens) and not seen_split
     assert rel_err(mapped, ref).max() <= 1e-4
     assert rel_err(mapped, split).max() <= 1e-5
+    assert (mapped == direct).all(), "misses fetched into VRAM and read over PCIe gave different logits"
     res = np.stack([r for _, r in seen])
     assert res.any() and not res.all()
 

@@ -594,6 +594,9 @@ def test_experts(rig, qt):
     ids_v = np.array([3, 1, 0, 5], np.int32)
     job_m, ids = rig.buf("job_m", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), rig.buf("ids", (4,), np.int32, ids_v)
     ptab = rig.buf("ptab", (cfg.n_expert, 3), np.uint64)
+    lay = kmoe.FetchLayout(gm.mat_bytes, um.mat_bytes, dm.mat_bytes)
+    stage, eff = rig.buf("stage", (4 * lay.stride,), np.uint8), rig.buf("eff", (4, 3), np.uint64)
+    job_f = rig.buf("job_f", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8)
     rig.commit()
     gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts", cfg, job,
                                   bank, slots, x, h, out)
@@ -608,12 +611,13 @@ def test_experts(rig, qt):
         assert rel(got[j], ref) <= TOL, f"expert slot {s}: {rel(got[j], ref):.2e}"
     mats = [(g_raw, gm), (u_raw, um), (d_raw, dm)]
     rows = lambda raw, m, e: device_rows(raw, qt, m.n_out * m.n_mat, m.n_in).reshape(m.n_mat, -1)[e]   # as rig.mat
-    host = drv.HostBuffer(2 * sum(m.mat_bytes for m in (gm, um, dm)), mapped=True, what="test experts")
+    host = drv.HostBuffer(2 * sum(m.mat_bytes for m in (gm, um, dm)) + 4096, mapped=True, what="test experts")
     try:
         table, at = np.zeros((cfg.n_expert, 3), np.uint64), 0
         for e, src in ((0, 0), (3, 3), (1, 2), (5, 4)):     # expert id -> the slot whose weights it has
             for p, (raw, m) in enumerate(mats):
-                if e in (1, 5):                              # from host memory
+                if e in (1, 5):                # from host memory; parts 16-aligned (the tiles' vector reads)
+                    at += 16 * (p + 1)
                     host.array(np.uint8, (m.mat_bytes,), at)[:] = rows(raw, m, src)
                     table[e, p] = host.dptr + at
                     at += m.mat_bytes
@@ -628,6 +632,22 @@ def test_experts(rig, qt):
         for j, s in enumerate([3, 2, 0, 4]):
             ref = expert_ffn(G[s].astype(np.float64), U[s].astype(np.float64), Dn[s].astype(np.float64), xv)
             assert rel(got[j], ref) <= TOL, f"mapped expert {ids_v[j]}: {rel(got[j], ref):.2e}"
+        # the same with the misses fetched into VRAM staging first: the same bytes reach the same tiles
+        lo, hi = rig.A.base, rig.A.base + rig.A.total
+        fetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "fetch", cfg, ptab, ids, eff, stage, lay, lo, hi,
+                                  2 * rig.dev.n_sm)
+        gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts fetched",
+                                      cfg, job_f, bank, ids, x, h, out, eff, fetched=True)
+        rig.poison(h, out)
+        stage.upload(np.full(stage.shape, 0xA5, np.uint8))
+        rig.run(fetch, gu, dn)
+        want_eff, copies = kmoe.fetch_table(table, ids_v, lo, hi, lay, stage.ptr)
+        assert (eff.download() == want_eff).all()
+        assert len(copies) == 6                              # experts 1 and 5, three parts each
+        staged, hb = stage.download(), host.array(np.uint8, (host.nbytes,))
+        for e_src, d, n in copies:
+            assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
+        assert (out.download() == got).all(), "fetched experts differ from the ones read over PCIe"
     finally:
         host.free()
 

@@ -259,6 +259,61 @@ def test_host_config_checks_map_experts():
         HostConfig(promote_per_layer=-1)
     with pytest.raises(ValueError, match="promote_after"):
         HostConfig(promote_after=0)
+    with pytest.raises(ValueError, match="mapped_reads"):
+        HostConfig(mapped_reads="sometimes")
+
+
+@pytest.mark.parametrize("start", [0.0, 0.030, 0.005])
+def test_sleep_estimate_follows_the_graph(start):
+    """The scheduler sleeps through most of a whole-step graph by its estimate: from an estimate too high (a slow
+    step earlier) it comes down to the graph's time, from one too low it rises, and a graph whose time changes is
+    followed. Simulated: a sleep of est - slack that ends 0.8 ms late (the loop's timers), then polls every 0.1 ms
+    until the graph's end. (Blending the measured wait in as before left a 30 ms estimate at ~22 ms after 60
+    steps of a 14 ms graph: the wait measured the sleep.)"""
+    from strata.host.scheduler import TIMER_SLACK_S, next_sleep_estimate
+
+    def settle(est: float, graph: float, n: int = 60) -> float:
+        for _ in range(n):
+            slept = est - TIMER_SLACK_S if est > 2 * TIMER_SLACK_S else 0.0
+            ready = slept >= graph
+            took = slept + 8e-4 if ready else graph + 1e-4
+            est = next_sleep_estimate(est, took, ready)
+        return est
+    near = lambda est, graph: 0.85 * graph <= est <= graph + 1.1 * TIMER_SLACK_S     # sleeps end by the graph's end
+    est = settle(start, 0.014)
+    assert near(est, 0.014), est
+    assert near(settle(est, 0.009), 0.009) and near(settle(est, 0.020), 0.020)
+
+
+def test_fetch_staging_holds_any_alignment():
+    """moe_fetch's plan (kmoe.fetch_table, which the GPU test checks the kernel against): each missed part's
+    16-byte chunks land inside its own staging room at every source alignment, the eff address points at the
+    part's first byte there, and resident experts keep their table addresses."""
+    from strata.kernels import moe as kmoe
+    lay = kmoe.FetchLayout(1440 * 3 + 5, 1440 * 3 + 5, 2560 * 7 + 3)
+    dev_lo, dev_hi, stage = 1 << 40, (1 << 40) + (1 << 30), (1 << 40) + 4096
+    rng = np.random.default_rng(0)
+    ptab = np.zeros((8, 3), np.uint64)
+    for e in range(8):
+        base = (1 << 44) + e * (1 << 20) if e % 2 else dev_lo + 8192 + e * 65536
+        ptab[e] = [base + int(rng.integers(0, 16)), base + 20000 + int(rng.integers(0, 16)),
+                   base + 40000 + int(rng.integers(0, 16))]
+    ids = np.array([1, 2, 5, 7, 0, 3], np.int32)
+    eff, copies = kmoe.fetch_table(ptab, ids, dev_lo, dev_hi, lay, stage)
+    rooms = [(0, lay.off_u), (lay.off_u, lay.off_d), (lay.off_d, lay.stride)]
+    sizes = (lay.n_g, lay.n_u, lay.n_d)
+    assert len(copies) == 3 * 4                 # ids 1, 5, 7 and 3 are host addresses
+    it = iter(copies)
+    for j, e in enumerate(ids.tolist()):
+        for p in range(3):
+            if e % 2 == 0:
+                assert eff[j, p] == ptab[e, p]
+                continue
+            src, d, n = next(it)
+            lo, hi = rooms[p]
+            assert src % 16 == 0 and n % 16 == 0 and src <= int(ptab[e, p]) < src + 16
+            assert j * lay.stride + lo <= d and d + n <= j * lay.stride + hi and src + n >= int(ptab[e, p]) + sizes[p]
+            assert int(eff[j, p]) == stage + d + int(ptab[e, p]) - src
 
 
 def test_token_counts_equal_layer_records():

@@ -69,6 +69,19 @@ def test_summary_counts_tiers_and_splits_read_time():
     assert "peak RSS 13.0 MiB" in out
 
 
+def test_summary_of_mapped_device_times():
+    """Mapped steps' device times (the CUDA backend's events): the table copy and graph averaged over the steps
+    that carry them, the promotions' bytes over their copy time as a rate."""
+    recs = [_record(0), _record(10), _record(20)]
+    for r, dev in zip(recs, ([0.5, 10.0, 4, 4_000_000, 1.0], [0.25, 12.0, 2, 2_000_000, 0.5])):
+        r["experts_mode"], r["mapped"], r["mapped_dev"] = "mapped", [3, 3_000_000], dev
+    (p,) = summarize(recs)
+    assert p.mapped_dev == (2, 0.75, 22.0, 6, 6_000_000, 1.5)
+    out = format_summary([p])
+    assert "(2 steps timed): address table copy 0.375 ms + graph 11.000 ms a step" in out
+    assert "promotions 3.0 experts, 3.00 MB a step, copied in 0.750 ms (4.0 GB/s)" in out
+
+
 def test_summary_by_step_kind():
     """Steps are summarized by what they carried: prompt rows only, decode rows only, or both; tok/s counts every
     row of a kind's steps against their summed wall time."""

@@ -124,7 +124,8 @@ class CudaBackend:
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
                  experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
-                 budget_counts_device: bool = False, step_tokens: int = 1, log=print):
+                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "fetch",
+                 log=print):
         """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
         experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
         as many as vram_budget_bytes leaves room for (no budget: none, every expert is the host's).
@@ -133,9 +134,15 @@ class CudaBackend:
         else on the GPU) and MEM_MARGIN for the graphs come off it first. The engine passes True (a "24 GiB"
         budget means a 24 GiB card); the tests size arenas exactly and pass False.
         step_tokens: the most rows a step may carry (max_step_tokens); above 1 the batched path's buffers and
-        graphs are planned for it."""
+        graphs are planned for it.
+        mapped_reads: how a mapped token's expert kernels get the experts it misses in VRAM: "fetch", a kernel of
+        every SM copies each layer's misses into VRAM staging first (moe.cu moe_fetch); "direct", the expert
+        kernels read them over PCIe themselves."""
         if experts not in ("vram", "host"):
             raise BackendError(f"CudaBackend: experts={experts!r}: 'vram' or 'host'")
+        if mapped_reads not in ("fetch", "direct"):
+            raise BackendError(f"CudaBackend: mapped_reads={mapped_reads!r}: 'fetch' or 'direct'")
+        self.mapped_reads = mapped_reads
         self._failed: str | None = None
         self.cfg: ModelConfig = model.cfg
         self.experts, self.graphs, self.max_ctx, self.timeout = experts, graphs, int(max_ctx), doorbell_timeout_s
@@ -391,6 +398,16 @@ class CudaBackend:
                            max(al(E * device_row_bytes(t[2], Fn)) for t in types))
         self.slot_bytes = sum(self.slot_parts)
         room = 0 if budget is None else budget - fixed - (1 << 20)     # 1 MiB for the job tables planned next
+        # a mapped token (map_experts): one graph whose one-row expert kernels read each routed expert where the
+        # table b_ptab says, a cache slot or its blob in pinned host memory; the layers' routes go to b_ids_all.
+        # With mapped_reads="fetch" a layer's misses are first copied into k staging slots (moe_fetch)
+        self.can_map = all(x is not None for x in self._as_is)
+        k = cfg.n_expert_used
+        self.fetch_layouts = [kmoe.FetchLayout(*(rows * rb for rows, rb in shp)) for shp in self._as_is] \
+            if self.can_map else []
+        fetch_bytes = k * max(f.stride for f in self.fetch_layouts) \
+            if self.can_map and self.mapped_reads == "fetch" else 0
+        room -= fetch_bytes
         # a batched step may stream its experts (stream_open): two buffers of a layer's experts, alternating by
         # layer, after the cache's slots; only where they take at most half the room (the cache is decode's)
         self.n_stream = cfg.n_expert if self.batch is not None and 4 * cfg.n_expert * self.slot_bytes <= room else 0
@@ -412,14 +429,14 @@ class CudaBackend:
         self._slot_of: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * self.n_slots
         self._slots = np.full((cfg.n_layer, cfg.n_expert), -1, I32)    # the same map, for vectorized lookups
-        # a mapped token (map_experts): one graph whose one-row expert kernels read each routed expert where the
-        # table b_ptab says, a cache slot or its blob in pinned host memory; the layers' routes go to b_ids_all
-        self.can_map = all(x is not None for x in self._as_is)
         if self.can_map:
             self.b_ptab = self.A.reserve("expert_ptab", (cfg.n_layer, cfg.n_expert, 3), np.uint64)
-            self.b_ids_all = self.A.reserve("ids_all", (cfg.n_layer, cfg.n_expert_used), I32)
+            self.b_ids_all = self.A.reserve("ids_all", (cfg.n_layer, k), I32)
             self.expert_job_m = [self.A.reserve(f"blk.{il}.moe_job_mapped", (kmoe.MOE_JOB_DTYPE.itemsize,), U8)
                                  for il in range(cfg.n_layer)]
+            if fetch_bytes:
+                self.b_fetch = self.A.reserve("expert_fetch_staging", (fetch_bytes,), U8)
+                self.b_fetched = self.A.reserve("expert_fetched", (cfg.n_layer, k, 3), np.uint64)
 
     def _upload(self) -> None:
         up = Uploader(self.stream)
@@ -505,6 +522,13 @@ class CudaBackend:
                 self.h_ids_all = drv.HostBuffer(self.b_ids_all.nbytes, what="mapped token routes")
                 self.ids_all = self.h_ids_all.array(I32, self.b_ids_all.shape)
                 self.ev_ptab = drv.Event()
+                # the device's side of a mapped token, for the trace (mapped_timing): events before its table
+                # copy, before its graph and after it; and around the promotions' copies on the side stream
+                # (opened by the first load after a token, closed at the next token's launch)
+                self.ev_tok = [drv.Event(timing=True) for _ in range(3)]
+                self.ev_prom = [drv.Event(timing=True), drv.Event(timing=True)]
+                self._prom_state: str | tuple = "idle"    # "idle", "open", or (experts, bytes) once closed
+                self._prom_last: tuple[int, int, float] | None = None
 
     def _measure_h2d(self) -> float:
         """Bytes a second of a copy from pinned memory into the expert slots (the best of three 64 MiB copies;
@@ -607,9 +631,16 @@ class CudaBackend:
             w_next = self.L[il + 1]["hc_attn_norm"] if il + 1 < cfg.n_layer else self.w_out_norm
 
             def post_of(job, slots, ptab=None, il=il, p=p, w_next=w_next):
-                return [("experts", [_Later(kmoe.expert_launches, K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"),
+                fetch = []
+                if ptab is not None and self.mapped_reads == "fetch":      # the misses into VRAM staging first
+                    fetch = [("fetch", [_Later(lambda ptab=ptab, slots=slots, il=il, p=p: kmoe.fetch_launch(
+                        K.fn("moe", "moe_fetch"), p + "fetch", cfg, ptab, slots, self.b_fetched.row(il), self.b_fetch,
+                        self.fetch_layouts[il], self.A.base, self.A.base + self.A.total, 2 * self.dev.n_sm))])]
+                    ptab = self.b_fetched.row(il)
+                return fetch + [
+                        ("experts", [_Later(kmoe.expert_launches, K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"),
                                             p + "experts", cfg, job, self.banks[il], slots, self.b_x_ffn,
-                                            self.b_h_exp, self.b_gpu_parts, ptab)]),
+                                            self.b_h_exp, self.b_gpu_parts, ptab, bool(fetch))]),
                         ("combine", [_Later(kmoe.combine_launch, K.fn("moe", "combine_write_rms"), p + "combine",
                                             cfg, self.b_wts, slots, self.b_gpu_parts, self.b_host_parts,
                                             self.b_shared, self.b_sg, self.b_inj_f, self.b_R, self.b_comb, w_next,
@@ -855,7 +886,7 @@ class CudaBackend:
     def _dump_stage(self, seq: _Seq, layer: int, stage: str) -> None:
         value = {"ple": self.b_R, "attn_read": self.b_mixed, "mixer": self.b_mix_out, "attn_write": self.b_R,
                  "ffn_read": self.b_x_ffn, "route": self.b_wts, "combine": self.b_comb, "ffn_write": self.b_R}
-        if stage == "shared":
+        if stage in ("shared", "fetch"):
             return
         self.stream.synchronize(f"dump: layer {layer} {stage}")
         if stage == "experts":
@@ -969,6 +1000,9 @@ class CudaBackend:
             self.ev_mark.record(self.stream)
             self.side.wait(self.ev_mark)
             self._mark_needed = False
+            if self.mapped and self._prom_state == "idle":        # a mapped token's promotions start here
+                self.ev_prom[0].record(self.side)
+                self._prom_state = "open"
 
     def _loads_before_post(self) -> None:
         """The main stream waits for every load so far; their sources stay alive until those copies are done."""
@@ -984,6 +1018,9 @@ class CudaBackend:
             self.ev_loads[i].synchronize("expert uploads")
             self._resolve(i)
         self.ev_loads[i].record(self.side)
+        if self.can_map and self._prom_state == "open":     # the promotions' copies end here
+            self.ev_prom[1].record(self.side)
+            self._prom_state = (len(self._loaded_slots), sum(p.nbytes for parts in self._loaded for p in parts))
         self._inflight[i], self._loaded, self._loaded_slots = self._loaded, [], []
         self.loads_turn = (i + 1) % LOAD_EVENTS
         return i
@@ -1076,6 +1113,22 @@ class CudaBackend:
         drv.memcpy_htod_async(self.b_ptab.ptr + rb * lo, self.h_ptab.ptr + rb * lo, rb * (hi - lo), self.stream,
                               "expert address table")
         self.ev_ptab.record(self.stream)
+
+    def _harvest_promotions(self) -> None:
+        """The closed promotions' copy time, once their end event has completed (then a new batch may open)."""
+        if isinstance(self._prom_state, tuple) and self.ev_prom[1].query("promotion copies"):
+            n, nbytes = self._prom_state
+            self._prom_last = (n, nbytes, self.ev_prom[1].elapsed_ms(self.ev_prom[0]))
+            self._prom_state = "idle"
+
+    def mapped_timing(self) -> dict:
+        """After a mapped token's logits: its device time, ms (table: the address table's copy, with any wait for
+        the copy engine ahead of it; graph: the token's graph), and the newest promotions measured since the last
+        call ([experts, bytes, copy ms] from the first copy's start to the last's end; None if none completed)."""
+        self._harvest_promotions()
+        prom, self._prom_last = self._prom_last, None
+        return {"table_ms": self.ev_tok[1].elapsed_ms(self.ev_tok[0]),
+                "graph_ms": self.ev_tok[2].elapsed_ms(self.ev_tok[1]), "promoted": prom}
 
     def token_routes(self) -> tuple[np.ndarray, np.ndarray]:
         """After a mapped token's logits: each layer's routed experts (n_layer, k) and which of them the token read
@@ -1375,10 +1428,14 @@ class CudaBackend:
         if self.cfg.ple_layers and not seq.ple_ready:
             raise BackendError("launch_whole: the model's PLE layer needs the row's PLE vector")
         if mapped:
+            self._harvest_promotions()
+            self.ev_tok[0].record(self.stream)
             self._sync_ptab()
             self._tok_eff = self._eff.copy()
+            self.ev_tok[1].record(self.stream)
         self._g["token"].launch(self.stream)
         if mapped:
+            self.ev_tok[2].record(self.stream)
             self._mark_needed = True        # its kernels read cache slots a later load may overwrite
         self.ev_head.record(self.stream)
         seq.phase, seq.layer = "head", self.cfg.n_layer - 1

@@ -87,6 +87,20 @@ TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's
 PLE_ANNOUNCE = 1 << 30     # a whole PLE table this large is announced before it is read (seconds at open)
 
 
+def next_sleep_estimate(est: float, took: float, ready: bool) -> float:
+    """The next whole-step graph's expected wait (seconds) after one that took `took` against the estimate `est`.
+    `ready`: its logits were there at the first poll after the sleep, so the sleep itself set `took` and the graph
+    ended some unknown time before: the estimate comes down by a tenth until a poll finds the graph running
+    (blending `took` in would keep any estimate that was once too high, as one slow step after a prompt left the
+    24 GiB decode sleeping 19.5 ms through 14 ms graphs). Otherwise the wait measured the graph: blended in,
+    clamped to twice the estimate so one stall does not throw it off."""
+    if est == 0:
+        return took
+    if ready:
+        return 0.9 * est
+    return 0.8 * est + 0.2 * min(took, 2 * est)
+
+
 def retry_interval(best: float, other: float) -> int:
     """Choices between retries of the costlier of two measured modes: MODE_RETRY times their cost ratio (at most
     16), so that a retry adds about 1/MODE_RETRY to the wall however much costlier the other mode is (a split
@@ -141,6 +155,10 @@ class HostConfig:
                                             # misses are promoted into the cache while the next token runs), or
                                             # layer by layer (split) if that measures faster per token; "always",
                                             # "never"
+    mapped_reads: str = "fetch"             # how a mapped token's expert kernels get its misses: "fetch", a
+                                            # kernel on every SM copies a layer's misses into VRAM staging first
+                                            # (a PCIe read is as fast as the CTAs issuing it are many); "direct",
+                                            # the expert kernels read them over PCIe themselves
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads
@@ -156,6 +174,8 @@ class HostConfig:
         for name in ("stream_experts", "map_experts"):
             if getattr(self, name) not in ("auto", "always", "never"):
                 raise ValueError(f"HostConfig.{name} = {getattr(self, name)!r}: 'auto', 'always' or 'never'")
+        if self.mapped_reads not in ("fetch", "direct"):
+            raise ValueError(f"HostConfig.mapped_reads = {self.mapped_reads!r}: 'fetch' or 'direct'")
         if self.prefetch not in ("previous", "router", "off"):
             raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
         if self.step_tokens is not None and self.step_tokens < 1:
@@ -903,11 +923,12 @@ class Scheduler:
         if est > 2 * TIMER_SLACK_S:
             await asyncio.sleep(est - TIMER_SLACK_S)
         logits = be.poll_logits()
-        if logits is None:
+        ready = logits is not None
+        if not ready:
             logits = await self._poll(be.poll_logits, "token", -1)
         t2 = clock()
         st.span("token_wait", -1, t1, t2)
-        self._whole_s[step.T] = (t2 - t1) if est == 0 else 0.8 * est + 0.2 * min(t2 - t1, 2 * est)
+        self._whole_s[step.T] = next_sleep_estimate(est, t2 - t1, ready)
         return logits
 
     # ---- mapped decode rows ----------------------------------------------------------------------------------------
@@ -960,6 +981,10 @@ class Scheduler:
                 self._promote(*routes)
                 st.span("promote", -1, t0, clock())
         logits = await self._forward_whole(step, reads, st, promote)
+        timing = getattr(be, "mapped_timing", None)      # the device's side (CUDA; the CPU twin has no device)
+        if timing is not None:
+            t = timing()
+            st.mapped_device(t["table_ms"], t["graph_ms"], t["promoted"])
         ids, res = be.token_routes()
         self._map_routes = (ids, res)                  # the LRU's recency is updated with the promotions
         self.cache.count_token(ids, res)

@@ -31,6 +31,11 @@ rows only), "decode" (decode rows only) or "mixed".
                                                                        # one graph, misses read by the kernels
                                                                        # from pinned host memory
      "mapped":  [experts, bytes],                                      # mapped steps: the misses read in place
+     "mapped_dev": [table_ms, graph_ms, promoted, promoted_bytes,      # mapped steps on CUDA: the device's time
+                    promote_ms],                                       # of the address table's copy and of the
+                                                                       # graph; the newest promotions measured
+                                                                       # (copies of earlier tokens' misses, run
+                                                                       # beside this token; 0s when none ended)
      "stream":  [[layer, experts, bytes, copy_ms, exposed_ms,          # stream steps: the device's copy time per
                   pre_ms, post_ms, idle_ms], ...],                     # layer, of it what post[l] waited for, the
                                                                        # layer's compute and the idle gap before it
@@ -151,6 +156,7 @@ class StepTrace:
     mode: str = "split"                           # how the layers' misses were served: "split" or "stream"
     stream: list = field(default_factory=list)    # (layer, experts, bytes, copy, exposed, pre, post, idle ms)
     mapped: list = field(default_factory=lambda: [0, 0])  # mapped steps: [VRAM misses read in place, their bytes]
+    mapped_dev: list | None = None                # [table_ms, graph_ms, promoted, promoted_bytes, promote_ms]
 
     @property
     def prompt_tokens(self) -> int:
@@ -182,6 +188,10 @@ class StepTrace:
         self.mapped[0] += n
         self.mapped[1] += nbytes
 
+    def mapped_device(self, table_ms: float, graph_ms: float, promoted: tuple | None) -> None:
+        n, nbytes, ms = promoted or (0, 0, 0.0)
+        self.mapped_dev = [round(table_ms, 4), round(graph_ms, 4), int(n), int(nbytes), round(ms, 4)]
+
     def prefetch_issued(self, n: int) -> None:
         self.prefetch[0] += n
 
@@ -211,6 +221,7 @@ class StepTrace:
                 "prefetch": list(self.prefetch), "experts_mode": self.mode,
                 "stream": [[l, n, b, *(round(v, 3) for v in ms)] for l, n, b, *ms in self.stream],
                 "mapped": list(self.mapped),
+                **({"mapped_dev": list(self.mapped_dev)} if self.mapped_dev is not None else {}),
                 "gc": [[g, _ms(a), _ms(b)] for g, a, b in gc_pauses(self.t0, self.t1)],
                 "peak_rss": _peak_rss(self.step, self.kind)}
 
@@ -377,6 +388,8 @@ class PhaseSummary:
     gc_n: int = 0                 # all steps: the collector's runs, and per step their pause time; the longest
     gc_ms: float = 0.0
     gc_max_ms: float = 0.0
+    mapped_dev: tuple = (0, 0.0, 0.0, 0, 0, 0.0)  # mapped steps timed on the device: their count, then sums of
+                                                  # table ms, graph ms, experts promoted, their bytes, copy ms
 
     @property
     def tok_s(self) -> float:
@@ -417,6 +430,7 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
         sm = [x for r in rs if r.get("experts_mode") == "stream" for x in r.get("stream", [])]
         ns = max(sum(r.get("experts_mode") == "stream" for r in rs), 1)
         gcs = [b - a for r in rs for _, a, b in r.get("gc", ())]
+        md = [r["mapped_dev"] for r in rs if "mapped_dev" in r]
         out.append(PhaseSummary(
             phase, n, pt + dt, pt, dt, sums["total"], ms, dev, wait, ms["total"] - dev - wait,
             sum(b - a for a, b in io_u) / n, overlap(io_u, device) / n, sum(x[1] for r in rs for x in r["io"]) / n,
@@ -432,7 +446,8 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
             sum(r.get("experts_mode") == "stream" for r in rs), sum(x[2] for x in sm) / ns,
             sum(x[3] for x in sm) / ns, sum(x[4] for x in sm) / ns,
             sum(r.get("experts_mode") == "mapped" for r in rs), sum(r.get("mapped", (0, 0))[0] for r in rs),
-            sum(r.get("mapped", (0, 0))[1] for r in rs), len(gcs), sum(gcs) / n, max(gcs, default=0.0)))
+            sum(r.get("mapped", (0, 0))[1] for r in rs), len(gcs), sum(gcs) / n, max(gcs, default=0.0),
+            (len(md), *(sum(x[i] for x in md) for i in range(5)))))
     return out
 
 
@@ -472,6 +487,12 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
             lines.append(f"  mapped: {p.mapped_steps} of {p.steps} steps ran as one graph reading their VRAM misses "
                          f"in place from pinned host memory: {p.mapped_experts / p.steps:.1f} experts/step, "
                          f"{p.mapped_bytes / p.steps / 1e6:.2f} MB/step")
+        nt, tab, graph, npro, bpro, mspro = p.mapped_dev
+        if nt:
+            rate = bpro / mspro / 1e6 if mspro else 0.0
+            lines.append(f"  mapped, on the device ({nt} steps timed): address table copy {tab / nt:.3f} ms + graph "
+                         f"{graph / nt:.3f} ms a step; promotions {npro / nt:.1f} experts, {bpro / nt / 1e6:.2f} MB a "
+                         f"step, copied in {mspro / nt:.3f} ms ({rate:.1f} GB/s) beside the next token's graph")
         pct = lambda x, y: _pct(x, y).strip()
         lines.append(f"  tiers: distinct experts/step from VRAM {p.hits / p.steps:.1f} ({pct(p.hits, distinct)}), "
                      f"RAM {p.ram_hits / p.steps:.1f} ({pct(p.ram_hits, distinct)}), SSD {p.ssd_reads / p.steps:.1f} "

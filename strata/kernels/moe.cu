@@ -95,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // stacked GGUF tensors when every expert is resident, the cache's slots otherwise), or, with ptab set (the
 // one-row kernels of a mapped token), at ptab[3 s + {0, 1, 2}]: the layer's table of each expert's addresses, a
 // VRAM cache slot or the expert's blob in mapped pinned host memory (read over PCIe by the kernel itself).
+// With `fetched` set, ptab is instead (k, 3): selection j's part addresses, all in VRAM (moe_fetch wrote them).
 // Layout must match strata/kernels/moe.py (MOE_JOB_DTYPE): 104 bytes.
 struct MoeJob {
     const u8* g_base;
@@ -105,14 +106,72 @@ struct MoeJob {
     i32 rb_g, rb_u, rb_d;
     i32 E, F, Fp;          // Fp: the row stride of h, F rounded up to 8 (16-byte aligned rows)
     i32 geom_gu, geom_d;   // tile geometry (quant.cuh geom_*) of the two launches
-    i32 pad;
+    i32 fetched;           // ptab is moe_fetch's per-selection table (every part in VRAM)
     const unsigned long long* ptab;   // null: base + slot * stride
 };
 
 __device__ __forceinline__ const u8* expert_part(const MoeJob& J, int slot, int part) {
+    if (J.fetched) return (const u8*)J.ptab[3 * blockIdx.y + part];
     if (J.ptab != nullptr) return (const u8*)J.ptab[3 * slot + part];
     return part == 0 ? J.g_base + slot * J.g_stride : part == 1 ? J.u_base + slot * J.u_stride
                                                                 : J.d_base + slot * J.d_stride;
+}
+
+// A mapped token's misses, fetched into VRAM before its expert kernels run: for each routed expert j of the
+// layer (ids[j]) whose table entry ptab[3 ids[j] + p] lies outside the device range [dev_lo, dev_hi) (its blob in
+// mapped pinned host memory), the three parts' 16-byte chunks are copied by the whole grid into staging slot j
+// (parts at stage + j stride + part_off[p], each keeping its address mod 16); eff (k, 3) gets each selection's
+// part addresses, the staging's or the cache slot's as they were. Why: a PCIe read's bandwidth scales with the
+// CTAs issuing it (51 GB/s needs ~132 of them), and the expert kernels give a missed expert only the few CTAs its
+// rows fill, so one miss cost a layer about as much as ten; here every miss of the layer is read by every CTA.
+// n_part[p]: each part's bytes. One CTA's threads work out the chunk ranges (k <= MAX_USED), every CTA the same.
+#define FETCH_BATCH 8       // 16-byte loads in flight per thread
+extern "C" __global__ void __launch_bounds__(256) moe_fetch(
+    const unsigned long long* __restrict__ ptab, const i32* __restrict__ ids, unsigned long long* eff, u8* stage,
+    unsigned long long dev_lo, unsigned long long dev_hi, int k, int stride, int n_g, int n_u, int n_d, int off_u,
+    int off_d) {
+    __shared__ int first[3 * 64 + 1];           // chunk index where copy (j, p) starts; first[3k]: the total
+    __shared__ unsigned long long src[3 * 64];  // its 16-aligned source
+    __shared__ int dst[3 * 64];                 // its 16-aligned offset in the staging
+    pdl_begin();
+    const int nc = 3 * k;
+    if (threadIdx.x < nc) {
+        const int j = threadIdx.x / 3, p = threadIdx.x % 3;
+        const unsigned long long* t = ptab + 3 * (size_t)ids[j];
+        const bool host = t[0] < dev_lo || t[0] >= dev_hi;
+        const unsigned long long s = t[p];
+        const int n = p == 0 ? n_g : p == 1 ? n_u : n_d;
+        const int d = j * stride + (p == 0 ? 0 : p == 1 ? off_u : off_d);
+        src[threadIdx.x] = s & ~15ull;
+        dst[threadIdx.x] = d;
+        first[threadIdx.x + 1] = host ? chunks16((const u8*)s, n) : 0;
+        if (blockIdx.x == 0) eff[threadIdx.x] = host ? (unsigned long long)(stage + d) + (s & 15) : s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        first[0] = 0;
+        for (int c = 0; c < nc; c++) first[c + 1] += first[c];
+    }
+    __syncthreads();
+    const int total = first[nc], step = gridDim.x * blockDim.x;
+    for (int base = blockIdx.x * blockDim.x + threadIdx.x; base < total; base += FETCH_BATCH * step) {
+        uint4 v[FETCH_BATCH];
+        int at[FETCH_BATCH];
+#pragma unroll
+        for (int u = 0; u < FETCH_BATCH; u++) {
+            const int i = base + u * step;
+            at[u] = -1;
+            if (i < total) {
+                int c = 0;
+                while (first[c + 1] <= i) c++;
+                v[u] = ld_stream16((const u8*)src[c] + 16 * (i - first[c]));
+                at[u] = dst[c] + 16 * (i - first[c]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < FETCH_BATCH; u++)
+            if (at[u] >= 0) *(uint4*)(stage + at[u]) = v[u];
+    }
 }
 
 // h[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for every selected expert j whose slot is >= 0 (a GPU expert);
@@ -130,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_gate_up(con
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.F - row0);
     const Ranges R = ranges2(expert_part(J, slot, 0) + (size_t)row0 * J.rb_g, nrows * J.rb_g,
                              expert_part(J, slot, 1) + (size_t)row0 * J.rb_u, nrows * J.rb_u);
-    stage(R, J.ptab != nullptr);      // a mapped token's misses are read from host memory
+    stage(R, J.ptab != nullptr && !J.fetched);     // unfetched misses are read from host memory
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4], o2[4];
@@ -166,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_down(const 
     const int tpg = geom_tpg(J.geom_d), rr = geom_rr(J.geom_d), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.E - row0);
     const Ranges R = ranges2(expert_part(J, slot, 2) + (size_t)row0 * J.rb_d, nrows * J.rb_d, nullptr, 0);
-    stage(R, J.ptab != nullptr);      // a mapped token's misses are read from host memory
+    stage(R, J.ptab != nullptr && !J.fetched);     // unfetched misses are read from host memory
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4];

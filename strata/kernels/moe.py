@@ -19,7 +19,7 @@ MAX_USED = 64           # pk[] in moe_route
 MOE_JOB_DTYPE = np.dtype([("g_base", "<u8"), ("u_base", "<u8"), ("d_base", "<u8"), ("g_stride", "<i8"),
                           ("u_stride", "<i8"), ("d_stride", "<i8"), ("type_g", "<i4"), ("type_u", "<i4"),
                           ("type_d", "<i4"), ("rb_g", "<i4"), ("rb_u", "<i4"), ("rb_d", "<i4"), ("E", "<i4"),
-                          ("F", "<i4"), ("Fp", "<i4"), ("geom_gu", "<i4"), ("geom_d", "<i4"), ("pad", "<i4"),
+                          ("F", "<i4"), ("Fp", "<i4"), ("geom_gu", "<i4"), ("geom_d", "<i4"), ("fetched", "<i4"),
                           ("ptab", "<u8")])
 assert MOE_JOB_DTYPE.itemsize == 104
 
@@ -80,9 +80,10 @@ def expert_geometry(cfg: ModelConfig, bank: ExpertBank):
     return gu, dn
 
 
-def moe_job_row(cfg: ModelConfig, bank: ExpertBank, ptab: int = 0) -> np.ndarray:
+def moe_job_row(cfg: ModelConfig, bank: ExpertBank, ptab: int = 0, fetched: bool = False) -> np.ndarray:
     """ptab: the device address of the layer's (n_expert, 3) table of expert part addresses (a mapped token's
-    one-row kernels: slots are then expert ids); 0: base + slot * stride."""
+    one-row kernels: slots are then expert ids), or with `fetched` of moe_fetch's (k, 3) table of the selected
+    experts' parts, every one in VRAM; 0: base + slot * stride."""
     E, Fn = cfg.n_embd, cfg.n_ff_exp
     g, u, d = bank.gate, bank.up, bank.down
     for m, n_out, n_in, what in ((g, Fn, E, "gate"), (u, Fn, E, "up"), (d, E, Fn, "down")):
@@ -99,18 +100,22 @@ def moe_job_row(cfg: ModelConfig, bank: ExpertBank, ptab: int = 0) -> np.ndarray
     gu, dn = expert_geometry(cfg, bank)
     r["geom_gu"], r["geom_d"] = gu.word, dn.word
     r["ptab"] = ptab
+    r["fetched"] = int(fetched)
     return r
 
 
 def expert_launches(fn_gate_up, fn_down, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank,
                     slots: DevArray, x: DevArray, h: DevArray, out: DevArray,
-                    ptab: DevArray | None = None) -> tuple[Launch, Launch]:
+                    ptab: DevArray | None = None, fetched: bool = False) -> tuple[Launch, Launch]:
     """Uploads the layer's MoeJob into `job` and returns (gate/up GLU, down) over the k selected experts.
-    ptab: the layer's (n_expert, 3) uint64 table of part addresses (slots are then the routed expert ids)."""
+    ptab: the layer's (n_expert, 3) uint64 table of part addresses (slots are then the routed expert ids); with
+    `fetched`, moe_fetch's (k, 3) table of the selected experts' parts in VRAM instead."""
     k, E, Fn = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp
     if ptab is not None:
-        need(ptab, name + " address table", 3 * cfg.n_expert, np.uint64)
-    row = moe_job_row(cfg, bank, 0 if ptab is None else ptab.ptr)
+        need(ptab, name + " address table", 3 * (k if fetched else cfg.n_expert), np.uint64)
+    elif fetched:
+        raise ValueError(f"{name}: fetched experts need moe_fetch's table")
+    row = moe_job_row(cfg, bank, 0 if ptab is None else ptab.ptr, fetched)
     need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
     need(slots, name + " slots", k, np.int32)
     need(x, name + " x", E)
@@ -126,6 +131,67 @@ def expert_launches(fn_gate_up, fn_down, name: str, cfg: ModelConfig, job: DevAr
     dnl = Launch(fn_down, name + ".down", (-(-E // dn.rows), k), (CTA_THREADS,), smem_d,
                  [P(job), P(slots), P(h), P(out)])
     return gul, dnl
+
+
+@dataclass(frozen=True)
+class FetchLayout:
+    """moe_fetch's staging: k slots of `stride` bytes, a selected expert's gate, up and down parts at 0, off_u and
+    off_d; n_g, n_u, n_d each part's bytes (a part lands at its offset plus its source address mod 16)."""
+    n_g: int
+    n_u: int
+    n_d: int
+
+    @property
+    def off_u(self) -> int:
+        return _room(self.n_g)
+
+    @property
+    def off_d(self) -> int:
+        return self.off_u + _room(self.n_u)
+
+    @property
+    def stride(self) -> int:
+        return self.off_d + _room(self.n_d)
+
+
+def _room(n: int) -> int:
+    """A part's staging bytes: its 16-byte chunks from any source alignment (n + 30 at most), 256-aligned."""
+    return (n + 32 + 255) // 256 * 256
+
+
+def fetch_table(ptab: np.ndarray, ids: np.ndarray, dev_lo: int, dev_hi: int, layout: FetchLayout,
+                stage: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """What moe_fetch does, in numpy: (eff (k, 3) uint64, the copies [(16-aligned source, staging offset,
+    bytes)]) for a layer's table ptab (n_expert, 3), its routed ids (k) and the staging at device address `stage`."""
+    eff, copies = np.zeros((len(ids), 3), np.uint64), []
+    sizes, offs = (layout.n_g, layout.n_u, layout.n_d), (0, layout.off_u, layout.off_d)
+    for j, e in enumerate(np.asarray(ids).tolist()):
+        host = not dev_lo <= int(ptab[e, 0]) < dev_hi
+        for p in range(3):
+            s = int(ptab[e, p])
+            d = j * layout.stride + offs[p]
+            if host:
+                lo, hi = s & ~15, (s + sizes[p] + 15) & ~15
+                copies.append((lo, d, hi - lo))
+            eff[j, p] = stage + d + (s & 15) if host else s
+    return eff, copies
+
+
+def fetch_launch(fn, name: str, cfg: ModelConfig, ptab: DevArray, ids: DevArray, eff: DevArray, stage: DevArray,
+                 layout: FetchLayout, dev_lo: int, dev_hi: int, n_cta: int) -> Launch:
+    """A mapped token's misses of one layer into VRAM staging (moe.cu moe_fetch): the selected experts ids (k)
+    whose ptab entries lie outside [dev_lo, dev_hi) are copied by n_cta CTAs; eff (k, 3) gets every selection's
+    part addresses for expert_launches(fetched=True)."""
+    k = cfg.n_expert_used
+    if k > MAX_USED:
+        raise ValueError(f"{name}: top-{k}; moe_fetch takes <= {MAX_USED}")
+    need(ptab, name + " address table", 3 * cfg.n_expert, np.uint64)
+    need(ids, name + " ids", k, np.int32)
+    need(eff, name + " fetched table", 3 * k, np.uint64)
+    need(stage, name + " staging", k * layout.stride, np.uint8)
+    return Launch(fn, name, (int(n_cta),), (CTA_THREADS,), 0,
+                  [P(ptab), P(ids), P(eff), P(stage), P(int(dev_lo)), P(int(dev_hi)), I(k), I(layout.stride),
+                   I(layout.n_g), I(layout.n_u), I(layout.n_d), I(layout.off_u), I(layout.off_d)])
 
 
 def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArray, gpu_parts: DevArray,
