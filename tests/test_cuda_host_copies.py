@@ -156,6 +156,9 @@ class FakeEvent:
     def synchronize(self, what):
         self.done = True
 
+    def elapsed_ms(self, start):
+        return 2.5
+
 
 def test_mapped_table_follows_the_loads(monkeypatch):
     """A mapped token's address table (_sync_ptab): a loaded slot is read from host memory until its copies' event
@@ -173,6 +176,8 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be.ptab = np.zeros((n_layer, n_exp, 3), np.uint64)
     be.h_ptab, be.b_ptab = SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 30)
     be.ev_ptab = FakeEvent()
+    be.can_map = be.mapped = True
+    be.ev_prom, be._prom_state, be._prom_last = [FakeEvent(), FakeEvent()], "idle", None
     be._host_addr = (np.arange(n_layer * n_exp * 3, dtype=np.uint64).reshape(n_layer, n_exp, 3) + 1) << np.uint64(8)
     at = np.array([0, be.slot_parts[0], be.slot_parts[0] + be.slot_parts[1]], np.uint64)
     be._slot_addr = np.uint64(be.slot_buf.ptr) + np.arange(n_slots, dtype=np.uint64)[:, None] * np.uint64(
@@ -207,3 +212,17 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be.ids_all = np.array([[0, 1], [2, 3], [5, 4], [0, 7]], np.int32)
     ids, res = be.token_routes()
     assert res.tolist() == [[False, False], [False, False], [False, False], [True, False]] and k == ids.shape[1]
+    # the promotions' copy time (mapped_timing): the first load after a token opens the window on the side
+    # stream, the next token's table sync closes it, and its time is read once the end event has completed
+    be.side, be.ev_mark, be._mark_needed = SimpleNamespace(wait=lambda ev: None), FakeEvent(), True
+    parts = blob(be, qt, E, Fn, True, seed=3)
+    be.load_expert(1, 2, 2, *parts)
+    be.load_expert(1, 3, 0, *blob(be, qt, E, Fn, True, seed=4))
+    assert be.ev_prom[0].recorded == 1 and be._prom_state == "open"
+    be._sync_ptab()
+    assert be._prom_state == (2, 2 * sum(p.nbytes for p in parts)) and be.ev_prom[1].recorded == 1
+    be._harvest_promotions()
+    assert be._prom_last is None                         # not completed yet
+    be.ev_prom[1].done = True
+    be._harvest_promotions()
+    assert be._prom_last == (2, 2 * sum(p.nbytes for p in parts), 2.5) and be._prom_state == "idle"
