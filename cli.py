@@ -340,8 +340,8 @@ def _engine_options(g) -> None:
                         "a host round trip per layer; auto: by each mode's measured time per token")
     g.add_argument("--mapped-reads", default="fetch", choices=["fetch", "direct"],
                    help="mapped tokens: fetch, a kernel on every SM first copies each layer's misses from pinned "
-                        "host memory into VRAM staging (a PCIe read is as fast as the CTAs issuing it are many); "
-                        "direct, the expert kernels read them over PCIe themselves")
+                        "host memory into VRAM staging; direct, the expert kernels read them over PCIe themselves "
+                        "(both measured near PCIe speed on the H200)")
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")

@@ -156,9 +156,9 @@ class HostConfig:
                                             # layer by layer (split) if that measures faster per token; "always",
                                             # "never"
     mapped_reads: str = "fetch"             # how a mapped token's expert kernels get its misses: "fetch", a
-                                            # kernel on every SM copies a layer's misses into VRAM staging first
-                                            # (a PCIe read is as fast as the CTAs issuing it are many); "direct",
-                                            # the expert kernels read them over PCIe themselves
+                                            # kernel on every SM copies a layer's misses into VRAM staging first;
+                                            # "direct", the expert kernels read them over PCIe themselves. Both
+                                            # measured near PCIe speed on the H200 (bench/RESULTS.md)
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads

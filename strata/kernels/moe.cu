@@ -121,10 +121,10 @@ __device__ __forceinline__ const u8* expert_part(const MoeJob& J, int slot, int 
 // layer (ids[j]) whose table entry ptab[3 ids[j] + p] lies outside the device range [dev_lo, dev_hi) (its blob in
 // mapped pinned host memory), the three parts' 16-byte chunks are copied by the whole grid into staging slot j
 // (parts at stage + j stride + part_off[p], each keeping its address mod 16); eff (k, 3) gets each selection's
-// part addresses, the staging's or the cache slot's as they were. Why: a PCIe read's bandwidth scales with the
-// CTAs issuing it (51 GB/s needs ~132 of them), and the expert kernels give a missed expert only the few CTAs its
-// rows fill, so one miss cost a layer about as much as ten; here every miss of the layer is read by every CTA.
-// n_part[p]: each part's bytes. One CTA's threads work out the chunk ranges (k <= MAX_USED), every CTA the same.
+// part addresses, the staging's or the cache slot's as they were. The whole grid reads every miss of the layer,
+// where the expert kernels give a missed expert only the CTAs its rows fill; on the H200 both measured near PCIe
+// speed (bench/RESULTS.md, 2026-12-03), so the kernels' own reads stay an option (mapped_reads="direct").
+// n_g, n_u, n_d: each part's bytes. One CTA's threads work out the chunk ranges (k <= MAX_USED), every CTA the same.
 #define FETCH_BATCH 8       // 16-byte loads in flight per thread
 extern "C" __global__ void __launch_bounds__(256) moe_fetch(
     const unsigned long long* __restrict__ ptab, const i32* __restrict__ ids, unsigned long long* eff, u8* stage,
