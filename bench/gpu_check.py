@@ -14,6 +14,9 @@ mapped    one layer's expert kernels of a mapped decode token with 0, 1, 2, 5, 1
           host memory over PCIe: ms a layer (phase_mapped)
 model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists (the
           bench phase runs it first when the file is missing)
+profile   the flash model with every weight in VRAM: `tokens` whole-token graphs between cuProfilerStart and Stop,
+          for Nsight Compute to time every kernel node in isolation (bench/gpu_profile.sh runs it under ncu and
+          sums the nodes by kernel and grid: bench/ncu_table.py); the graph's own ms/token is printed first
 bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
           at a short and at a long context (past the QSA budget, so block selection runs), the per-layer protocol
           (doorbell, host polling) ms/token, a per-stage breakdown from events recorded between stage graphs
@@ -500,6 +503,29 @@ def phase_bench(long_ctx: int) -> None:
     RESULTS["bench"] = res
 
 
+def phase_profile(tokens: int) -> None:
+    from strata.cuda.backend import CudaBackend
+    from strata.cuda.driver import check, cu
+    from strata.model.loader import load_model
+    if not FLASH.exists():
+        phase_model()
+    model = load_model(FLASH)
+    be = CudaBackend(model, experts="vram", max_ctx=512, log=say)
+    try:
+        feed = Feeder(model)
+        seq = be.new_seq()
+        decode_ms(be, seq, feed, 5)                                   # warm-up, excluded
+        ms = decode_ms(be, seq, feed, 20)
+        say(f"whole-token graph, unprofiled: median {np.median(ms):.3f} ms/token over 20")
+        RESULTS["profile"] = {"graph_ms_median": float(np.median(ms)), "tokens": tokens}
+        check(cu.cuProfilerStart(), "cuProfilerStart")
+        decode_ms(be, seq, feed, tokens)
+        check(cu.cuProfilerStop(), "cuProfilerStop")
+        be.free_seq(seq)
+    finally:
+        be.close()
+
+
 def table() -> str:
     lines = []
     b = RESULTS.get("bench")
@@ -534,10 +560,11 @@ def table() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, mapped, model, bench")
+    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, mapped, model, bench, profile")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
+    ap.add_argument("--tokens", type=int, default=1, help="profile phase: whole-token graphs profiled")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     a = ap.parse_args()
     os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
@@ -560,8 +587,10 @@ def main() -> None:
                 phase_model()
             elif p == "bench":
                 phase_bench(a.long_ctx)
+            elif p == "profile":
+                phase_profile(a.tokens)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, mapped, model, bench")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, mapped, model, bench, profile")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")

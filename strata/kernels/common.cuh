@@ -28,8 +28,9 @@ extern __shared__ __align__(16) unsigned char dyn_smem[];
 
 // Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
 // visible, then let the next kernel in the stream be scheduled (its CTAs wait in their own pdl_begin). Every
-// kernel calls this first, before touching global memory and before any early return, so completion stays
-// transitive along the stream. Without the launch attribute both instructions are no-ops.
+// kernel calls this before any early return and before touching memory that a kernel writes, so completion stays
+// transitive along the stream; only reads of what no kernel writes (a GEMV's weights and job table) may come
+// first. Without the launch attribute both instructions are no-ops.
 __device__ __forceinline__ void pdl_begin() {
 #ifdef __CUDACC__
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -24,7 +24,8 @@ struct GemvJob {
 extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const GemvJob* __restrict__ jobs,
                                                                           int n_jobs) {
     __shared__ float red[4 * 8];
-    pdl_begin();
+    // The job table and the weights never change while a graph runs, so this CTA's tile is copied in before
+    // pdl_begin: the copies overlap the previous kernel's tail. x, its output, is read only after.
     int j = 0;
     for (int i = 1; i < n_jobs; i++)
         if (jobs[i].cta0 <= (int)blockIdx.x) j = i;
@@ -35,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
 
     const Ranges R = ranges2(J.w + (size_t)row0 * J.row_bytes, nrows * J.row_bytes,
                              glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr, glu ? nrows * J.row_bytes2 : 0);
-    stage(R);
+    stage_constant(R);
     __syncthreads();
 
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;

@@ -68,7 +68,6 @@ extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ 
                                                          const float* __restrict__ xn, float* mixed, int E, int hc,
                                                          int geom) {
     __shared__ float red[4 * 8];
-    pdl_begin();
     const int tpg = geom_tpg(geom), G = blockDim.x / tpg;
     const int e0 = blockIdx.x * G, ne = min(G, E - e0);
     Ranges R;
@@ -80,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ 
         R.dst[s] = end;
         if (s < hc) end = range_end(R, s) + 16;
     }
-    stage(R);
+    stage_constant(R);       // the weights are constant: copied in before pdl_begin, as gemv_jobs does
     float* lo = (float*)(SMEM + end);
     const int rp = (r + 7) & ~7;
     for (int i = threadIdx.x; i < rp; i += blockDim.x) lo[i] = i < r ? siluf_(lo_raw[i] / (float)hc) : 0.0f;

@@ -802,12 +802,13 @@ __device__ __forceinline__ void range_chunk(const Ranges& R, int p1, int p2, int
     src = (const u8*)((unsigned long long)s & ~15ull) + 16 * j;
 }
 
-// Every range into shared memory; each thread waits for its own copies, the caller's __syncthreads for the rest.
+// Every range into shared memory: stage_issue starts the copies, stage_wait waits for this thread's own (the
+// caller's __syncthreads for the rest); stage does both.
 // `host`: a range may be in mapped host memory (a mapped token's missed experts): then plain 16-byte loads,
 // STAGE_BATCH in flight per thread, as registers: cp.async reads of host memory over PCIe were far slower (a
 // mapped 24 GiB token's graph 15.5 ms with them, 8.5 with these; H200, 2026-12-02). From device memory cp.async
 // is the faster (no register batches: the LM head 342 -> 312 us).
-__device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
+__device__ __forceinline__ void stage_issue(const Ranges& R, bool host = false) {
     const int c0 = chunks16(R.src[0], R.n[0]), c1 = chunks16(R.src[1], R.n[1]), c2 = chunks16(R.src[2], R.n[2]),
               c3 = chunks16(R.src[3], R.n[3]);
     const int p1 = c0, p2 = p1 + c1, p3 = p2 + c2, total = p3 + c3;
@@ -819,9 +820,6 @@ __device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
             range_chunk(R, p1, p2, p3, i, src, dst);
             cp_async16(dst, src);
         }
-#ifdef __CUDACC__
-        asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
         return;
     }
     for (int base = threadIdx.x; base < total; base += STAGE_BATCH * nt) {
@@ -841,6 +839,37 @@ __device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
             }
         }
     }
+}
+
+// this thread's copies of stage_issue landed (the caller's __syncthreads then covers every thread's)
+__device__ __forceinline__ void stage_wait() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
+    stage_issue(R, host);
+    stage_wait();
+}
+
+// GEMV_EARLY_STAGE (default 1): the dense GEMVs (gemv_jobs, up_mix) issue their weight copies before pdl_begin,
+// overlapping the previous kernel's tail; 0 issues them after it (STRATA_KERNEL_DEFINES=GEMV_EARLY_STAGE=0 builds
+// that variant, for the same-run comparison in bench/RESULTS.md).
+#ifndef GEMV_EARLY_STAGE
+#define GEMV_EARLY_STAGE 1
+#endif
+
+// the constant weights' copies, then pdl_begin (the order GEMV_EARLY_STAGE picks), then this thread's copies done
+__device__ __forceinline__ void stage_constant(const Ranges& R) {
+    if (GEMV_EARLY_STAGE) {
+        stage_issue(R);
+        pdl_begin();
+    } else {
+        pdl_begin();
+        stage_issue(R);
+    }
+    stage_wait();
 }
 
 // ---- a row group's partial sums -> the group's sums (fixed order) ---------------------------------------------
