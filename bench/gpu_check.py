@@ -5,7 +5,7 @@
     python bench/gpu_check.py --phases model,bench
 
 tests     pytest of tests/test_cuda_kernels.py and tests/test_cuda_backend.py
-gemv      GB/s of the GEMV kernels at the flash shapes, per weight type: random valid blocks, enough copies of each
+gemv      GB/s of the GEMV kernels at the flash shapes (and the hc read's up_mix), per weight type: random valid blocks, enough copies of each
           matrix to rotate through more than twice the L2 (120 MB), a captured graph of back-to-back launches
           timed with events (median of 15 replays, per launch), next to 4.2 TB/s
 qsa       QSA attention (qsa_attn + qsa_combine) at the flash heads: a 4096-row prefill chunk past the budget at
@@ -158,6 +158,7 @@ GEMV_CASES = [   # (label, type, n_out, n_in, kind): kind gemv | glu | experts
     ("shexp down", "Q8_0", 2560, 640, "gemv"),
     ("LM head", "Q6_K", 248320, 2560, "gemv"),
     ("experts x10 (g+u, down)", "Q2_0", 640, 2560, "experts"),
+    ("hc up + mix (up_mix)", "Q8_0", 10240, 320, "up_mix"),
 ]
 
 
@@ -259,6 +260,35 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
                 launches += list(kmoe.expert_launches(K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"), label, cfg,
                                                       jobs[i], bank, slots[i], x, h, out))
             per_launch_bytes = k * (2 * n_out * rb + n_in * rbd)   # a launch: gate/up + down of k experts
+        elif kind == "up_mix":               # the hc read's up-projection with its gated stream mean
+            from strata.kernels import hc as khc
+            hc, E = 4, n_out // 4
+            mat_bytes = n_out * rb
+            copies = max(1, -(-120_000_000 // mat_bytes))
+            W = A.reserve("up", (copies * mat_bytes,), np.uint8)
+            lo, xn, mixed = A.reserve("lo", (n_in,)), A.reserve("xn", (n_out,)), A.reserve("mixed", (E,))
+            A.commit()
+            one = random_blocks(qt, (n_out, n_in), rng, 1 / np.sqrt(n_in)).reshape(-1)
+            for i in range(copies):
+                drv.memcpy_htod_async(W.ptr + i * mat_bytes, one.ctypes.data, mat_bytes, stream, "w")
+                stream.synchronize("upload")
+            lo.upload(rng.standard_normal(n_in).astype(np.float32))
+            xn.upload(rng.standard_normal(n_out).astype(np.float32))
+            ups = [DevMat(W.view(f"up{i}", i * mat_bytes, (mat_bytes,), np.uint8), int(qt), n_out, n_in, rb)
+                   for i in range(copies)]
+
+            def mix_launches(geom=None):
+                return [khc.up_mix_launch(K.fn("hc", "up_mix"), label, u, lo, xn, mixed, hc, E, geom) for u in ups]
+            per_launch_bytes = mat_bytes
+            if sweep:
+                picked = khc.up_mix_geometry(qt, n_in, rb, hc, E)
+                for geom in khc.up_mix_geoms(rb, hc, E):
+                    us = launch_us(f"{label} sweep", mix_launches(geom)) * 1e3
+                    sweep_rows.append({"label": label, "nt": geom.nt, "tpg": geom.tpg, "rr": geom.rr, "us": us,
+                                       "gbps": per_launch_bytes / (us * 1e-6) / 1e9, "picked": geom == picked})
+                    say(f"  sweep {label} nt {geom.nt:3d} tpg {geom.tpg:3d}: {us:7.1f} us"
+                        + (" (the current pick)" if geom == picked else ""))
+            launches = mix_launches()
         else:
             halves = 2 if kind == "glu" else 1
             mat_bytes = n_out * rb

@@ -324,6 +324,28 @@ def test_gr_read(rig, hc, E, r):
     assert rel(got_inj, ref_inj) <= TOL
 
 
+def test_up_mix_every_geometry(rig):
+    """Every up_mix tile geometry computes the same gated mean (the pick is then a question of speed only: the
+    sweep in bench/gpu_check.py --phases gemv --sweep), at the flash shape's rank and a short E."""
+    rng = np.random.default_rng(11)
+    hc, E, r = 4, 300, 320
+    w = _hc_weights(rng, hc, E, r)
+    lo_raw = (rng.standard_normal(r) * 3).astype(F32)
+    xv = rng.standard_normal((hc, E)).astype(F32)
+    lo, xn, mixed = rig.buf("lo", (r,), value=lo_raw), rig.buf("xn", (hc, E), value=xv), rig.buf("mixed", (E,))
+    up = rig.mat("up", *w["up"][:4])
+    rig.commit()
+    U, lv = w["up"][4].astype(np.float64), lo_raw.astype(np.float64) / hc
+    g = 1 / (1 + np.exp(-(U @ (lv / (1 + np.exp(-lv)))))).reshape(hc, E)
+    ref = (g * xv).mean(axis=0)
+    geoms = list(khc.up_mix_geoms(up.row_bytes, hc, E))
+    assert {g.nt for g in geoms} == {64, 128, 256}
+    for geom in geoms:
+        rig.poison(mixed)
+        rig.run(khc.up_mix_launch(rig.k.fn("hc", "up_mix"), "up", up, lo, xn, mixed, hc, E, geom))
+        assert rel(mixed.download(), ref) <= TOL, f"nt {geom.nt} tpg {geom.tpg}: {rel(mixed.download(), ref):.2e}"
+
+
 def test_write_rms(rig):
     rng = np.random.default_rng(3)
     hc, E = 4, 333

@@ -6,7 +6,7 @@ import numpy as np
 
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
-from strata.kernels.gemv import KERNEL_TYPES, device_row_bytes, geometry, tile_smem
+from strata.kernels.gemv import KERNEL_TYPES, Geom, device_row_bytes, geometry, tile_smem
 
 MAX_HC = 4           # up_mix: one row set per stream, 4 at most (quant.cuh)
 
@@ -63,9 +63,23 @@ def up_mix_geometry(qt: int, r: int, rb: int, hc: int, E: int):
     return best[1]
 
 
+def up_mix_geoms(rb: int, hc: int, E: int):
+    """Every up_mix tile geometry (64, 128 or 256 threads, TPG threads per e, one row a stream) whose rows fit
+    40 KB of shared memory (lo takes the rest below 48 KB): what the GPU tests and bench/gpu_check.py's sweep
+    run through."""
+    for nt in (64, 128, 256):
+        tpg = 4
+        while tpg <= nt:
+            g = Geom(tpg, hc, nt)
+            if tile_smem(*[min(g.groups, E) * rb] * hc) <= 40 * 1024:
+                yield g
+            tpg *= 2
+
+
 def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mixed: DevArray, hc: int,
-                  E: int) -> Launch:
-    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]."""
+                  E: int, geom=None) -> Launch:
+    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]. `geom` replaces up_mix_geometry's
+    pick (its RR must be hc: bench/gpu_check.py's sweep)."""
     r = up.n_in
     if up.n_out != hc * E or up.qtype not in KERNEL_TYPES or up.row_bytes != device_row_bytes(up.qtype, r):
         raise ValueError(f"{name}: up matrix '{up.buf.name}' is {up.n_out}x{r} (type {up.qtype}), needs "
@@ -75,7 +89,9 @@ def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mix
     need(lo_raw, name + " lo", r)
     need(xn, name + " xn", hc * E)
     need(mixed, name + " mixed", E)
-    g = up_mix_geometry(up.qtype, r, up.row_bytes, hc, E)
+    g = geom or up_mix_geometry(up.qtype, r, up.row_bytes, hc, E)
+    if g.rr != hc:
+        raise ValueError(f"{name}: geometry {g} has {g.rr} rows a thread, up_mix needs one a stream ({hc})")
     ne = min(g.groups, E)
     smem = tile_smem(*([ne * up.row_bytes] * hc)) + (r + 7) // 8 * 8 * 4 + 16
     return Launch(fn, name, (-(-E // g.groups),), (g.nt,), smem,
