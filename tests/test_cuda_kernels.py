@@ -346,20 +346,22 @@ def test_up_mix_every_geometry(rig):
         assert rel(mixed.download(), ref) <= TOL, f"nt {geom.nt} tpg {geom.tpg}: {rel(mixed.download(), ref):.2e}"
 
 
-def test_write_rms(rig):
-    rng = np.random.default_rng(3)
-    hc, E = 4, 333
-    Rv, out = rng.standard_normal((hc, E)).astype(F32), rng.standard_normal(E).astype(F32)
-    inj_raw = rng.standard_normal(hc).astype(F32)
+@pytest.mark.parametrize("rows,hc,E", [(1, 4, 333), (3, 4, 2560), (2, 1, 40)])
+def test_write_rms(rig, rows, hc, E):
+    """gr_write and the next norm over a cluster of CTAs a row: slices of E that do not divide evenly, several
+    rows, one stream, and slices shorter than a warp."""
+    rng = np.random.default_rng(3 + rows)
+    Rv, out = rng.standard_normal((rows, hc, E)).astype(F32), rng.standard_normal((rows, E)).astype(F32)
+    inj_raw = rng.standard_normal((rows, hc)).astype(F32)
     norm = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
-    R = rig.buf("R", (hc, E), value=Rv)
-    ib, ob, nb, xn = (rig.buf("inj", (hc,), value=inj_raw), rig.buf("out", (E,), value=out),
-                      rig.buf("norm", (hc, E), value=norm), rig.buf("xn", (hc, E)))
+    R = rig.buf("R", (rows, hc, E), value=Rv)
+    ib, ob, nb, xn = (rig.buf("inj", (rows, hc), value=inj_raw), rig.buf("out", (rows, E), value=out),
+                      rig.buf("norm", (hc, E), value=norm), rig.buf("xn", (rows, hc, E)))
     rig.commit()
     rig.poison(xn)
-    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6))
+    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6, rows))
     inject = (2 / (1 + np.exp(-inj_raw / hc))).astype(F32)
-    Rn = gr_write(Rv[None], inject[None], out[None])[0]
+    Rn = gr_write(Rv, inject, out)
     assert rel(R.download(), Rn) <= TOL
     assert rel(xn.download(), rms_norm(Rn, norm, 1e-6)) <= TOL
 
