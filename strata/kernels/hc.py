@@ -6,7 +6,7 @@ import numpy as np
 
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
-from strata.kernels.gemv import KERNEL_TYPES, Geom, device_row_bytes, geometry, tile_smem
+from strata.kernels.gemv import KERNEL_TYPES, Geom, device_row_bytes, n_parts, tile_smem
 
 MAX_HC = 4           # up_mix: one row set per stream, 4 at most (quant.cuh)
 
@@ -51,16 +51,19 @@ def mix_launch(fn, name: str, G: DevArray, xn: DevArray, mixed: DevArray, n_rows
 
 
 def up_mix_geometry(qt: int, r: int, rb: int, hc: int, E: int):
-    """The up_mix tile: 64, 128 or 256 threads, TPG threads per e, one row per stream (RR = hc)."""
-    best = None
-    for nt in (64, 128, 256):
-        g = geometry(qt, r, E * hc, rb, nt=nt, rr_only=hc)
-        ctas = -(-E // g.groups)
-        # the model's own estimate is not returned: prefer a grid that fills the GPU with the fewest threads idle
-        key = (min(ctas, 264) * g.groups >= min(E, 264 * g.groups) * 0.99, -abs(ctas - 264), -nt)
-        if best is None or key > best[0]:
-            best = (key, g)
-    return best[1]
+    """The up_mix tile: TPG threads per e (one row a stream), NT threads a CTA. Timed on the H200 at the flash
+    shape (Q8_0, r 320: 20 parts a row; `bench/gpu_check.py --phases gemv --sweep`, bench/RESULTS.md 2026-12-04),
+    128 threads with 16 a row came first (4.8 us; 64 threads with 4 a row, the rule before, 5.4; 64 a row or more
+    8.3-26): every thread takes one or two of a row's parts. So TPG is the largest power of two not above the
+    row's parts (4 to 32), with 128 threads a CTA, or the fitting geometry nearest to that."""
+    parts = n_parts(qt, r)
+    tpg = 4
+    while tpg * 2 <= min(parts, 32):
+        tpg *= 2
+    cands = list(up_mix_geoms(rb, hc, E))
+    if not cands:
+        raise ValueError(f"up_mix: rows of {rb} bytes for {hc} streams do not fit one CTA's shared memory")
+    return min(cands, key=lambda g: (abs(g.tpg.bit_length() - tpg.bit_length()), abs(g.nt - 128)))
 
 
 def up_mix_geoms(rb: int, hc: int, E: int):
