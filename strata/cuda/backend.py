@@ -153,6 +153,8 @@ class CudaBackend:
         cfg, W = self.cfg, model.weights
         self.dev = drv.Device.open()
         self.stream, self.side = drv.Stream(), drv.Stream()
+        # a whole-token graph's second branch (the shared expert's down projection beside the routed experts)
+        self.branch, self.ev_fork, self.ev_join = drv.Stream(), drv.Event(), drv.Event()
         t0 = time.time()
         self.kern = Kernels(self.dev.arch)
         log(f"strata.cuda: {self.dev.name} (sm_{self.dev.arch}, {self.dev.n_sm} SMs); kernels ready in "
@@ -710,8 +712,7 @@ class CudaBackend:
             def token():
                 self._enq_begin()
                 for il in range(n):
-                    self._enq(self.pre_tok[il])
-                    self._enq(post[il])
+                    self._enq_token_layer(self.pre_tok[il], post[il])
                 self._enq_head()
                 if self.experts == "host":      # the layers' routes, for the host's cache policy
                     drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
@@ -719,6 +720,32 @@ class CudaBackend:
             self._g["token"] = Graph("token", self.stream, token)
         if self.batch is not None:
             self.batch.capture()
+
+    def _enq_token_layer(self, pre, post) -> None:
+        """pre[l] and post[l] inside a whole-token graph. The shared expert's down projection reads only the
+        router launch's output and only the combine reads its result, so it runs on a second branch beside the
+        routed experts: forked after the route stage, joined before the combine (one kernel a layer off the
+        critical path)."""
+        main = self.stream
+        shared = []
+        for name, launches in pre:
+            if name == "shared":
+                shared = launches
+                continue
+            for launch in launches:
+                launch.enqueue(main)
+        pdl = main.prev_kernel
+        self.ev_fork.record(main)
+        main.prev_kernel = pdl          # the record adds no node: the next kernel still follows the route's
+        self.branch.wait(self.ev_fork)
+        for launch in shared:
+            launch.enqueue(self.branch)
+        self.ev_join.record(self.branch)
+        for name, launches in post:
+            if name == "combine":
+                main.wait(self.ev_join)
+            for launch in launches:
+                launch.enqueue(main)
 
     def _run(self, key, enqueue) -> None:
         if self.graphs:
@@ -1191,6 +1218,7 @@ class CudaBackend:
         """A constructor that gives up before the arena frees what it made (the engine may retry smaller)."""
         self.stream.destroy()
         self.side.destroy()
+        self.branch.destroy()
 
     # ---- streamed experts (a batched step under a VRAM budget) -------------------------------------------------
     def stream_slots(self) -> int:
@@ -1575,3 +1603,4 @@ class CudaBackend:
                 self.cells.close(lambda h: h.free())
             self.stream.destroy()
             self.side.destroy()
+            self.branch.destroy()
