@@ -42,7 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 HBM_BPS = 4.2e12
-FLASH = ROOT / "models" / "flash.gguf"
+FLASH = ROOT / "models" / "flash.gguf"      # --model replaces it
+ROUTING = "uniform"                         # --routing: make-model's, when the model phase makes the file
 RESULTS: dict = {}
 
 
@@ -67,7 +68,8 @@ def phase_model() -> None:
         return
     FLASH.parent.mkdir(exist_ok=True)
     t0 = time.time()
-    cmd = [sys.executable, "cli.py", "make-model", "--preset", "flash", "--ple-base", "2000000", str(FLASH)]
+    cmd = [sys.executable, "cli.py", "make-model", "--preset", "flash", "--ple-base", "2000000", "--routing", ROUTING,
+           str(FLASH)]
     say("making the flash model: " + " ".join(cmd[1:]))
     rc = subprocess.call(cmd, cwd=ROOT)
     RESULTS["model"] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
@@ -588,6 +590,7 @@ def table() -> str:
 
 
 def main() -> None:
+    global FLASH, ROUTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
     ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, mapped, model, bench, profile")
@@ -596,7 +599,13 @@ def main() -> None:
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
     ap.add_argument("--tokens", type=int, default=1, help="profile phase: whole-token graphs profiled")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
+    ap.add_argument("--model", type=Path, default=FLASH,
+                    help="the flash file of the model, bench and profile phases (made there when missing)")
+    ap.add_argument("--routing", choices=("uniform", "realistic"), default=ROUTING,
+                    help="make-model's routing when the model phase makes the file (every weight in VRAM: routing "
+                         "changes which experts run, not how many)")
     a = ap.parse_args()
+    FLASH, ROUTING = a.model.resolve(), a.routing
     os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
     phases = ["kernels"] if a.kernels_only else [p.strip() for p in a.phases.split(",") if p.strip()]
     try:

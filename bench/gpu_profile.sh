@@ -10,10 +10,11 @@ cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
 out=${OUT:-/tmp}
 tokens=${1:-1}
-python3 bench/gpu_check.py --phases model > "$out/profile.log" 2>&1 || { tail -5 "$out/profile.log"; exit 1; }
+mopt=(--model "${MODEL:-models/flash.gguf}")       # MODEL: another flash file (made with uniform routing if missing)
+python3 bench/gpu_check.py --phases model "${mopt[@]}" > "$out/profile.log" 2>&1 || { tail -5 "$out/profile.log"; exit 1; }
 ncu --profile-from-start off --graph-profiling node --clock-control none --cache-control none --csv --page raw \
     --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread --log-file "$out/ncu_token.csv" \
-    python3 bench/gpu_check.py --phases profile --tokens "$tokens" >> "$out/profile.log" 2>&1
+    python3 bench/gpu_check.py --phases profile --tokens "$tokens" "${mopt[@]}" >> "$out/profile.log" 2>&1
 rc=$?
 # the graph's own ms/token under ncu is not the native one (the tool slows every launch, 54-56 ms a token on the
 # H200): compare the kernels' sum with gpu_check.py's bench phase, run without the tool
