@@ -338,10 +338,12 @@ def _engine_options(g) -> None:
                         "graph whose kernels read the VRAM cache's experts in place and the misses from pinned host "
                         "memory over PCIe (misses are promoted into the cache while the next token runs), instead of "
                         "a host round trip per layer; auto: by each mode's measured time per token")
-    g.add_argument("--mapped-reads", default="fetch", choices=["fetch", "direct"],
+    g.add_argument("--mapped-reads", default="fetch", choices=["fetch", "prefetch", "direct"],
                    help="mapped tokens: fetch, a kernel on every SM first copies each layer's misses from pinned "
-                        "host memory into VRAM staging; direct, the expert kernels read them over PCIe themselves "
-                        "(both measured near PCIe speed on the H200)")
+                        "host memory into VRAM staging; prefetch, the same, and the next layer's router applied to "
+                        "this layer's MoE input predicts its experts, whose misses are fetched beside this layer's "
+                        "compute (the trace gives how many it predicted); direct, the expert kernels read them over "
+                        "PCIe themselves (fetch and direct measured near PCIe speed on the H200)")
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")

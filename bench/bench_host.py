@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata.engine import Engine, HostConfig  # noqa: E402  (after the path line: runs from a checkout)
+from strata.host.backend import MAPPED_READS  # noqa: E402
 from strata.host.trace import format_summary, last_request, load, summarize  # noqa: E402
 from strata.sampling import SamplingParams  # noqa: E402
 
@@ -40,9 +41,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preload", action="store_true", help="read every expert into host memory first")
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="HostConfig.map_experts: decode rows as one graph reading VRAM misses from host memory")
-    p.add_argument("--mapped-reads", default="fetch", choices=["fetch", "direct"],
+    p.add_argument("--mapped-reads", default="fetch", choices=list(MAPPED_READS),
                    help="HostConfig.mapped_reads: a mapped token's misses copied into VRAM by a kernel on every SM "
-                        "first (fetch), or read over PCIe by the expert kernels (direct)")
+                        "first (fetch; prefetch: also the next layer's predicted misses a layer early), or read over PCIe by the "
+                        "expert kernels (direct)")
     p.add_argument("--promote-after", type=int, default=None, metavar="N",
                    help="HostConfig.promote_after: mapped misses before an expert is promoted into the VRAM cache "
                         "(default: the engine's)")

@@ -404,9 +404,10 @@ def main() -> None:
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.map_experts (decode rows as one graph, misses read from host "
                         "memory)")
-    p.add_argument("--mapped-reads", default="fetch", choices=["fetch", "direct"],
+    p.add_argument("--mapped-reads", default="fetch", choices=["fetch", "prefetch", "direct"],
                    help="budget24: strata's HostConfig.mapped_reads (a mapped token's misses fetched into VRAM by "
-                        "every SM first, or read over PCIe by the expert kernels)")
+                        "every SM first, with the next layer's predicted ones a layer early, or read over PCIe by the "
+                        "expert kernels)")
     p.add_argument("--stream-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.stream_experts (how prompt chunks get their experts)")
     p.add_argument("--promote-per-layer", type=int, default=None, metavar="N",

@@ -460,7 +460,8 @@ def test_scheduler_mapped_decode(case):
     """Experts on the host, all held in pinned memory, a few cache slots: every row a mapped token (one graph whose
     expert kernels read cache slots or, for misses, the blobs in host memory over PCIe; misses promoted while the
     next token runs). Every position against transformers, and against the per-layer split within 1e-5; tokens
-    read experts both from slots and from host memory."""
+    read experts both from slots and from host memory; the misses fetched first, fetched a layer early where
+    predicted (prefetch) and read in place give the same logits bit for bit."""
     import asyncio
 
     from strata.host.scheduler import HostConfig, Scheduler
@@ -474,13 +475,17 @@ def test_scheduler_mapped_decode(case):
 
     timed = []
 
+    prefetched = []
+
     def run(mode: str, reads: str = "fetch"):
         be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, mapped_reads=reads, log=print)
         assert be.can_map and 0 < be.expert_slots() < cfg.n_layer * cfg.n_expert
+        assert be.prefetch == (reads == "prefetch")
         seen = []
-        real, real_t = be.token_routes, be.mapped_timing
+        real, real_t, real_p = be.token_routes, be.mapped_timing, be.token_prefetch
         be.token_routes = lambda: seen.append(real()) or seen[-1]
         be.mapped_timing = lambda: timed.append(real_t()) or timed[-1]
+        be.token_prefetch = lambda: prefetched.append(real_p()) or prefetched[-1]
 
         async def go():
             sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, map_experts=mode))
@@ -497,12 +502,18 @@ def test_scheduler_mapped_decode(case):
     assert len(timed) == len(tokens) and all(t["graph_ms"] > 0 and t["table_ms"] >= 0 for t in timed)
     assert any(t["promoted"] is not None and t["promoted"][0] > 0 and t["promoted"][2] > 0 for t in timed)
     direct, _, _ = run("always", "direct")
+    assert all(p is None for p in prefetched)
+    pre, _, _ = run("always", "prefetch")
+    stats = np.array([p for p in prefetched if p is not None])      # (misses, predicted, prefetched, bytes)
+    assert len(stats) == len(tokens) and (stats[:, 1] <= stats[:, 0]).all()
+    assert stats[:, 1].sum() > 0 and stats[:, 2].sum() > 0 and stats[:, 3].sum() > 0
     split, seen_split, _ = run("never")
     _check(f"{spec.name} mapped decode", mapped, ref)
     assert was_mapped and len(seen) == len(tokens) and not seen_split
     assert rel_err(mapped, ref).max() <= 1e-4
     assert rel_err(mapped, split).max() <= 1e-5
     assert (mapped == direct).all(), "misses fetched into VRAM and read over PCIe gave different logits"
+    assert (mapped == pre).all(), "misses prefetched a layer early gave different logits"
     res = np.stack([r for _, r in seen])
     assert res.any() and not res.all()
 

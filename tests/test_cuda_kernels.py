@@ -621,6 +621,10 @@ def test_experts(rig, qt):
     lay = kmoe.FetchLayout(gm.mat_bytes, um.mat_bytes, dm.mat_bytes)
     stage, eff = rig.buf("stage", (4 * lay.stride,), np.uint8), rig.buf("eff", (4, 3), np.uint64)
     job_f = rig.buf("job_f", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8)
+    # a prefetch of predicted ids (5 a miss, 3 0 2 in VRAM) into its own staging, which the fetch then reuses
+    pre_v = np.array([5, 3, 0, 2], np.int32)
+    pre_ids, pre_eff = rig.buf("pre_ids", (4,), np.int32, pre_v), rig.buf("pre_eff", (4, 3), np.uint64)
+    pre_stage = rig.buf("pre_stage", (4 * lay.stride,), np.uint8)
     rig.commit()
     gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts", cfg, job,
                                   bank, slots, x, h, out)
@@ -638,7 +642,7 @@ def test_experts(rig, qt):
     host = drv.HostBuffer(2 * sum(m.mat_bytes for m in (gm, um, dm)) + 4096, mapped=True, what="test experts")
     try:
         table, at = np.zeros((cfg.n_expert, 3), np.uint64), 0
-        for e, src in ((0, 0), (3, 3), (1, 2), (5, 4)):     # expert id -> the slot whose weights it has
+        for e, src in ((0, 0), (3, 3), (1, 2), (5, 4), (2, 1)):     # expert id -> the slot whose weights it has
             for p, (raw, m) in enumerate(mats):
                 if e in (1, 5):                # from host memory; parts 16-aligned (the tiles' vector reads)
                     at += 16 * (p + 1)
@@ -672,6 +676,26 @@ def test_experts(rig, qt):
         for e_src, d, n in copies:
             assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
         assert (out.download() == got).all(), "fetched experts differ from the ones read over PCIe"
+        # predicted ids fetched first (the previous layer's prefetch), then this layer's fetch: expert 5 from the
+        # prefetch's staging, only expert 1 copied again
+        prefetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "prefetch", cfg, ptab, pre_ids, pre_eff, pre_stage,
+                                     lay, lo, hi, 16)
+        fetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "fetch", cfg, ptab, ids, eff, stage, lay, lo, hi,
+                                  2 * rig.dev.n_sm, pre=(pre_ids, pre_eff))
+        rig.poison(h, out)
+        for b in (stage, pre_stage):
+            b.upload(np.full(b.shape, 0xA5, np.uint8))
+        rig.run(prefetch, fetch, gu, dn)
+        want_pre, pre_copies = kmoe.fetch_table(table, pre_v, lo, hi, lay, pre_stage.ptr)
+        assert (pre_eff.download() == want_pre).all() and len(pre_copies) == 3     # expert 5's parts
+        want_eff, copies = kmoe.fetch_table(table, ids_v, lo, hi, lay, stage.ptr, pre_v, want_pre)
+        assert (eff.download() == want_eff).all()
+        assert len(copies) == 3 and (want_eff[3] == want_pre[0]).all()            # expert 1 only; 5 reused
+        for buf, cps in ((pre_stage, pre_copies), (stage, copies)):
+            staged = buf.download()
+            for e_src, d, n in cps:
+                assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
+        assert (out.download() == got).all(), "prefetched experts differ from the ones read over PCIe"
     finally:
         host.free()
 

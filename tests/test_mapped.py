@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata.engine import Engine
-from strata.host.backend import BackendError, CpuBackend
+from strata.host.backend import MAPPED_READS, BackendError, CpuBackend
 from strata.host.experts import ExpertLayout, VramCache
 from strata.host.scheduler import MODE_RETRY, HostConfig, Scheduler, retry_interval
 from strata.host.trace import Tracer, format_summary, load, summarize
@@ -261,6 +261,44 @@ def test_host_config_checks_map_experts():
         HostConfig(promote_after=0)
     with pytest.raises(ValueError, match="mapped_reads"):
         HostConfig(mapped_reads="sometimes")
+    for reads in MAPPED_READS:
+        assert HostConfig(mapped_reads=reads).mapped_reads == reads
+
+
+def test_cli_mapped_reads_are_the_engines(capsys):
+    """cli.py lists the mapped_reads values itself (it imports the engine only to run): the same as the engine's."""
+    import cli
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "{" + ",".join(MAPPED_READS) + "}" in capsys.readouterr().out.replace("\n", "").replace(" ", "")
+
+
+def test_fetch_plan_with_a_prefetch():
+    """moe_fetch's numpy plan (the GPU test holds the kernel to it): a miss the previous layer's prefetch already
+    fetched takes the prefetch's addresses and is not copied again; other misses are copied into this fetch's
+    staging, resident experts keep their slots. prefetch_stats counts misses, predicted misses, experts
+    prefetched and their bytes over layers 1 on."""
+    from strata.kernels.moe import FetchLayout, fetch_table, prefetch_stats
+    lay = FetchLayout(100, 100, 60)
+    lo, hi = 1 << 40, (1 << 40) + (1 << 30)                  # the device's range; host blobs below it
+    ptab = np.zeros((8, 3), np.uint64)
+    for e in range(8):
+        base = lo + 4096 * e if e % 2 == 0 else 8192 * (e + 1) + 3      # odd experts live in host memory
+        ptab[e] = [base, base + 128, base + 256]
+    stage, pre_stage = lo + (1 << 20), lo + (2 << 20)
+    pre = np.array([5, 2, 7, 4], np.int32)
+    pre_eff, pre_copies = fetch_table(ptab, pre, lo, hi, lay, pre_stage)
+    assert len(pre_copies) == 6 and pre_eff[0, 0] == pre_stage + 3 and pre_eff[1, 0] == ptab[2, 0]
+    ids = np.array([1, 5, 2, 7], np.int32)
+    eff, copies = fetch_table(ptab, ids, lo, hi, lay, stage, pre, pre_eff)
+    assert [c[1] for c in copies] == [0, lay.off_u, lay.off_d]           # expert 1 only, into selection 0's room
+    assert eff[0, 0] == stage + 3 and (eff[1] == pre_eff[0]).all() and (eff[3] == pre_eff[2]).all()
+    assert (eff[2] == ptab[2]).all()
+    ids_all = np.array([[0, 1], [1, 3], [5, 6]])
+    res = ids_all % 2 == 0
+    preds = np.array([[0, 0], [3, 4], [5, 7]])
+    pres = preds % 2 == 0
+    assert prefetch_stats(ids_all, res, preds, pres, [10, 20, 30]) == (3, 2, 3, 20 + 2 * 30)
 
 
 @pytest.mark.parametrize("start", [0.0, 0.030, 0.005])

@@ -82,6 +82,20 @@ def test_summary_of_mapped_device_times():
     assert "promotions 3.0 experts, 3.00 MB a step, copied in 0.750 ms (4.0 GB/s)" in out
 
 
+def test_summary_of_mapped_prefetch():
+    """A mapped token's prefetch (mapped_reads="prefetch"): experts and bytes fetched a layer early per step, the
+    share of the VRAM misses predicted and of the prefetched experts used; records from before the bytes field
+    (three numbers) still sum."""
+    recs = [_record(0), _record(10)]
+    for r, pf in zip(recs, ([8, 10, 6, 8_000_000], [4, 10, 2])):
+        r["experts_mode"], r["mapped"], r["prefetch"] = "mapped", [10, 10_000_000], pf
+    (p,) = summarize(recs)
+    assert p.prefetch == (12, 20, 8, 8_000_000)
+    out = format_summary([p])
+    assert "prefetch (mapped_reads prefetch): 6.0 experts/step, 4.00 MB/step fetched a layer early" in out
+    assert "40.0% of the VRAM misses predicted, 66.7% of the experts fetched used" in out
+
+
 def test_summary_by_step_kind():
     """Steps are summarized by what they carried: prompt rows only, decode rows only, or both; tok/s counts every
     row of a kind's steps against their summed wall time."""

@@ -40,7 +40,7 @@ from strata.cuda.driver import CudaError
 from strata.cuda.graphs import Graph
 from strata.cuda.launch import CopyH2D, Launch, pdl_status
 from strata.cuda.weights import Uploader, conversion_note, device_rows, device_type
-from strata.host.backend import BackendError, BudgetTooSmall, ExpertPlan, Route, Step
+from strata.host.backend import MAPPED_READS, BackendError, BudgetTooSmall, ExpertPlan, Route, Step
 from strata.host.cells import Cells
 from strata.kernels import Kernels
 from strata.kernels import gdn as kgdn
@@ -63,6 +63,9 @@ POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, 
 # 512 MiB here); with 1280 MiB it peaked at 23.42 GiB (bench/RESULTS.md, issue 6)
 MEM_MARGIN = 1280 << 20
 LOAD_STAGING = 4                                 # pinned buffers for load_expert copies in flight
+# CTAs of a prefetch fetch (mapped_reads="prefetch"): it runs beside a layer's compute, so it takes few
+# multiprocessors; 16 CTAs keep 16 x 256 x 8 16-byte reads (512 KB) in flight, more than PCIe needs
+PREFETCH_CTAS = 16
 COPY_WHAT = "expert %d.%d -> slot %d"            # an expert copy, in an error's message
 LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
 
@@ -136,13 +139,17 @@ class CudaBackend:
         step_tokens: the most rows a step may carry (max_step_tokens); above 1 the batched path's buffers and
         graphs are planned for it.
         mapped_reads: how a mapped token's expert kernels get the experts it misses in VRAM: "fetch", a kernel of
-        every SM copies each layer's misses into VRAM staging first (moe.cu moe_fetch); "direct", the expert
-        kernels read them over PCIe themselves."""
+        every SM copies each layer's misses into VRAM staging first (moe.cu moe_fetch); "prefetch", the same, and
+        beside each layer's compute, on a second graph branch, the next layer's router applied to this layer's MoE
+        input predicts its experts and the predicted misses are fetched into another staging, which the next
+        layer's fetch takes instead of copying them again (a wrong guess costs PCIe bytes, never correctness);
+        "direct", the expert kernels read them over PCIe themselves."""
         if experts not in ("vram", "host"):
             raise BackendError(f"CudaBackend: experts={experts!r}: 'vram' or 'host'")
-        if mapped_reads not in ("fetch", "direct"):
-            raise BackendError(f"CudaBackend: mapped_reads={mapped_reads!r}: 'fetch' or 'direct'")
+        if mapped_reads not in MAPPED_READS:
+            raise BackendError(f"CudaBackend: mapped_reads={mapped_reads!r}: one of {', '.join(MAPPED_READS)}")
         self.mapped_reads = mapped_reads
+        self.prefetch = mapped_reads == "prefetch"
         self._failed: str | None = None
         self.cfg: ModelConfig = model.cfg
         self.experts, self.graphs, self.max_ctx, self.timeout = experts, graphs, int(max_ctx), doorbell_timeout_s
@@ -155,6 +162,8 @@ class CudaBackend:
         self.stream, self.side = drv.Stream(), drv.Stream()
         # a whole-token graph's second branch (the shared expert's down projection beside the routed experts)
         self.branch, self.ev_fork, self.ev_join = drv.Stream(), drv.Event(), drv.Event()
+        # ... and the third (mapped_reads="prefetch": the next layer's prediction and prefetch)
+        self.branch2, self.ev_fork2, self.ev_pred, self.ev_pref = drv.Stream(), drv.Event(), drv.Event(), drv.Event()
         t0 = time.time()
         self.kern = Kernels(self.dev.arch)
         log(f"strata.cuda: {self.dev.name} (sm_{self.dev.arch}, {self.dev.n_sm} SMs); kernels ready in "
@@ -402,14 +411,16 @@ class CudaBackend:
         room = 0 if budget is None else budget - fixed - (1 << 20)     # 1 MiB for the job tables planned next
         # a mapped token (map_experts): one graph whose one-row expert kernels read each routed expert where the
         # table b_ptab says, a cache slot or its blob in pinned host memory; the layers' routes go to b_ids_all.
-        # With mapped_reads="fetch" a layer's misses are first copied into k staging slots (moe_fetch)
+        # With mapped_reads="fetch" a layer's misses are first copied into k staging slots (moe_fetch); "prefetch"
+        # adds two more sets of k, alternating by layer, for the predicted experts fetched a layer early
         self.can_map = all(x is not None for x in self._as_is)
         k = cfg.n_expert_used
         self.fetch_layouts = [kmoe.FetchLayout(*(rows * rb for rows, rb in shp)) for shp in self._as_is] \
             if self.can_map else []
         fetch_bytes = k * max(f.stride for f in self.fetch_layouts) \
-            if self.can_map and self.mapped_reads == "fetch" else 0
-        room -= fetch_bytes
+            if self.can_map and self.mapped_reads != "direct" else 0
+        self.prefetch = self.prefetch and fetch_bytes > 0 and cfg.n_layer > 1
+        room -= fetch_bytes * (3 if self.prefetch else 1)
         # a batched step may stream its experts (stream_open): two buffers of a layer's experts, alternating by
         # layer, after the cache's slots; only where they take at most half the room (the cache is decode's)
         self.n_stream = cfg.n_expert if self.batch is not None and 4 * cfg.n_expert * self.slot_bytes <= room else 0
@@ -439,6 +450,12 @@ class CudaBackend:
             if fetch_bytes:
                 self.b_fetch = self.A.reserve("expert_fetch_staging", (fetch_bytes,), U8)
                 self.b_fetched = self.A.reserve("expert_fetched", (cfg.n_layer, k, 3), np.uint64)
+            if self.prefetch:            # layer l's prediction (row l, made beside layer l - 1) and its fetch
+                self.b_pre_stage = [self.A.reserve(f"expert_prefetch_staging{i}", (fetch_bytes,), U8) for i in (0, 1)]
+                self.b_pre_eff = self.A.reserve("expert_prefetched", (cfg.n_layer, k, 3), np.uint64)
+                self.b_pred_ids = self.A.reserve("expert_predicted", (cfg.n_layer, k), I32)
+                self.b_pred_logits = self.A.reserve("router_predicted", (cfg.n_expert,))
+                self.b_pred_wts = self.A.reserve("route_weights_predicted", (k,))
 
     def _upload(self) -> None:
         up = Uploader(self.stream)
@@ -523,6 +540,9 @@ class CudaBackend:
                 self.ptab = self.h_ptab.array(np.uint64, self.b_ptab.shape)
                 self.h_ids_all = drv.HostBuffer(self.b_ids_all.nbytes, what="mapped token routes")
                 self.ids_all = self.h_ids_all.array(I32, self.b_ids_all.shape)
+                if self.prefetch:
+                    self.h_pred = drv.HostBuffer(self.b_pred_ids.nbytes, what="mapped token predictions")
+                    self.pred_all = self.h_pred.array(I32, self.b_pred_ids.shape)
                 self.ev_ptab = drv.Event()
                 # the device's side of a mapped token, for the trace (mapped_timing): events before its table
                 # copy, before its graph and after it; and around the promotions' copies on the side stream
@@ -566,7 +586,7 @@ class CudaBackend:
         first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
         begin = [_Later(kgemv.embed_launch, K.fn("gemv", "embed_rms"), "embed", self.w_embd, self.b_step, self.b_R,
                         first_norm, self.b_xn, hc, eps)]
-        pre, pre_tok, post, post_m = [], [], [], []
+        pre, pre_tok, post, post_m, pref = [], [], [], [], []
         for il in range(cfg.n_layer):
             d, s, p = self.L[il], self.S[il], f"blk.{il}."
             st: list[tuple[str, list]] = []
@@ -634,10 +654,11 @@ class CudaBackend:
 
             def post_of(job, slots, ptab=None, il=il, p=p, w_next=w_next):
                 fetch = []
-                if ptab is not None and self.mapped_reads == "fetch":      # the misses into VRAM staging first
-                    fetch = [("fetch", [_Later(lambda ptab=ptab, slots=slots, il=il, p=p: kmoe.fetch_launch(
+                if ptab is not None and self.mapped_reads != "direct":     # the misses into VRAM staging first
+                    pre = (self.b_pred_ids.row(il), self.b_pre_eff.row(il)) if self.prefetch and il > 0 else None
+                    fetch = [("fetch", [_Later(lambda ptab=ptab, slots=slots, il=il, p=p, pre=pre: kmoe.fetch_launch(
                         K.fn("moe", "moe_fetch"), p + "fetch", cfg, ptab, slots, self.b_fetched.row(il), self.b_fetch,
-                        self.fetch_layouts[il], self.A.base, self.A.base + self.A.total, 2 * self.dev.n_sm))])]
+                        self.fetch_layouts[il], self.A.base, self.A.base + self.A.total, 2 * self.dev.n_sm, pre))])]
                     ptab = self.b_fetched.row(il)
                 return fetch + [
                         ("experts", [_Later(kmoe.expert_launches, K.fn("moe", "moe_gate_up"), K.fn("moe", "moe_down"),
@@ -654,15 +675,32 @@ class CudaBackend:
                 ids = self.b_ids_all.row(il)
                 pre_tok.append(st + [("route", [router, route(None, ids)]), shared])
                 post_m.append(post_of(self.expert_job_m[il], ids, self.b_ptab.row(il)))
+                if self.prefetch and il + 1 < cfg.n_layer:
+                    pref.append(self._prefetch_plan(il + 1, gemv))
         head = [gemv("output_down", [Job(self.w_out_down, self.b_xn, self.b_lo)]),
                 _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), "output_up_mix", self.w_out_up, self.b_lo, self.b_xn,
                        self.b_mixed, hc, E),
                 gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
-        self._plans = (begin, pre, pre_tok, post, post_m, head)
+        self._plans = (begin, pre, pre_tok, post, post_m, pref, head)
+
+    def _prefetch_plan(self, il: int, gemv) -> list[tuple[str, list]]:
+        """Layer il's prediction and prefetch, run beside layer il - 1 (mapped_reads="prefetch"): layer il's router
+        on layer il - 1's MoE input, its top k (no doorbell) into b_pred_ids[il], and those experts' misses fetched
+        into staging set il % 2 by a few CTAs (the layer's compute keeps the rest of the GPU)."""
+        cfg, K, p = self.cfg, self.kern, f"blk.{il}."
+        stage = self.b_pre_stage[il % 2]
+        return [("predict", [gemv(p + "router_predicted", [Job(self.L[il]["router"], self.b_x_ffn, self.b_pred_logits)]),
+                             _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route_predicted", cfg, il,
+                                    self.b_pred_logits, self.b_x_ffn, self.b_pred_ids.row(il), self.b_pred_wts,
+                                    self.b_step, None, self.b_ticket)]),
+                ("prefetch", [_Later(lambda: kmoe.fetch_launch(
+                    K.fn("moe", "moe_fetch"), p + "prefetch", cfg, self.b_ptab.row(il), self.b_pred_ids.row(il),
+                    self.b_pre_eff.row(il), stage, self.fetch_layouts[il], self.A.base, self.A.base + self.A.total,
+                    PREFETCH_CTAS))])]
 
     def _build_launches(self) -> None:
         """After the commit: the launches (their addresses now exist) and the job tables' contents."""
-        begin, pre, pre_tok, post, post_m, head = self._plans
+        begin, pre, pre_tok, post, post_m, pref, head = self._plans
         del self._plans
 
         def build(stages):
@@ -680,6 +718,7 @@ class CudaBackend:
         self.pre_tok = [build(x) for x in pre_tok] if pre_tok else None
         self.post = [build(x) for x in post]
         self.post_m = [build(x) for x in post_m] if post_m else None
+        self.pref = [build(x) for x in pref]          # pref[l]: beside layer l, layer l + 1's prefetch
         self.head_stages = build([("head", head)])
         if self.batch is not None:
             self.batch.build()
@@ -712,38 +751,58 @@ class CudaBackend:
             def token():
                 self._enq_begin()
                 for il in range(n):
-                    self._enq_token_layer(self.pre_tok[il], post[il])
+                    pref = self.pref[il] if self.experts == "host" and il < len(self.pref) else None
+                    self._enq_token_layer(self.pre_tok[il], post[il], pref, il > 0 and il - 1 < len(self.pref))
                 self._enq_head()
-                if self.experts == "host":      # the layers' routes, for the host's cache policy
+                if self.experts == "host":      # the layers' routes (and predictions), for the host's cache policy
                     drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
                                           self.stream, "mapped token routes")
+                    if self.pref:
+                        drv.memcpy_dtoh_async(self.h_pred.ptr, self.b_pred_ids.ptr, self.b_pred_ids.nbytes,
+                                              self.stream, "mapped token predictions")
             self._g["token"] = Graph("token", self.stream, token)
         if self.batch is not None:
             self.batch.capture()
 
-    def _enq_token_layer(self, pre, post) -> None:
+    def _fork(self, branch: drv.Stream, ev: drv.Event) -> None:
+        """branch continues from the main stream's current point (in a capture: a fork of the graph)."""
+        pdl = self.stream.prev_kernel
+        ev.record(self.stream)
+        self.stream.prev_kernel = pdl   # the record adds no node: the next kernel still follows the last one
+        branch.wait(ev)
+
+    def _enq_token_layer(self, pre, post, pref=None, joins: bool = False) -> None:
         """pre[l] and post[l] inside a whole-token graph. The shared expert's down projection reads only the
         router launch's output and only the combine reads its result, so it runs on a second branch beside the
         routed experts: forked after the route stage, joined before the combine (one kernel a layer off the
-        critical path)."""
+        critical path). pref (mapped_reads="prefetch"): layer l + 1's prediction and prefetch, on a third branch
+        forked once this layer's MoE input exists; joins: layer l - 1 forked one, so this layer's ffn read (it
+        rewrites the MoE input the prediction reads) waits for that prediction, and its fetch for that prefetch."""
         main = self.stream
         shared = []
         for name, launches in pre:
             if name == "shared":
                 shared = launches
                 continue
+            if name == "ffn_read" and joins:
+                main.wait(self.ev_pred)
             for launch in launches:
                 launch.enqueue(main)
-        pdl = main.prev_kernel
-        self.ev_fork.record(main)
-        main.prev_kernel = pdl          # the record adds no node: the next kernel still follows the route's
-        self.branch.wait(self.ev_fork)
+            if name == "ffn_read" and pref is not None:
+                self._fork(self.branch2, self.ev_fork2)
+                for stage, launches2 in pref:
+                    for launch in launches2:
+                        launch.enqueue(self.branch2)
+                    (self.ev_pred if stage == "predict" else self.ev_pref).record(self.branch2)
+        self._fork(self.branch, self.ev_fork)
         for launch in shared:
             launch.enqueue(self.branch)
         self.ev_join.record(self.branch)
         for name, launches in post:
             if name == "combine":
                 main.wait(self.ev_join)
+            if name == "fetch" and joins:
+                main.wait(self.ev_pref)
             for launch in launches:
                 launch.enqueue(main)
 
@@ -1163,6 +1222,17 @@ class CudaBackend:
         ids = self.ids_all.copy()
         return ids, self._tok_eff[np.arange(self.cfg.n_layer)[:, None], ids]
 
+    def token_prefetch(self) -> tuple[int, int, int, int] | None:
+        """After a mapped token's logits, with mapped_reads="prefetch": (misses, misses predicted, experts
+        prefetched, their bytes) over the layers a prediction served (kmoe.prefetch_stats); None otherwise."""
+        if not self.prefetch:
+            return None
+        rows = np.arange(self.cfg.n_layer)[:, None]
+        ids, preds = self.ids_all.copy(), self.pred_all.copy()
+        res, pres = self._tok_eff[rows, ids], self._tok_eff[rows, preds]
+        nbytes = [f.n_g + f.n_u + f.n_d for f in self.fetch_layouts]
+        return kmoe.prefetch_stats(ids, res, preds, pres, nbytes)
+
     def _device_parts(self, layer: int, expert: int, gate, up, down, call: str) -> tuple:
         """The three slices in the kernels' format: as given where the layer's types need no conversion and
         they are uint8 (rows, row bytes) already (a blob's views: the streamed path's common case)."""
@@ -1219,6 +1289,7 @@ class CudaBackend:
         self.stream.destroy()
         self.side.destroy()
         self.branch.destroy()
+        self.branch2.destroy()
 
     # ---- streamed experts (a batched step under a VRAM budget) -------------------------------------------------
     def stream_slots(self) -> int:
@@ -1598,9 +1669,12 @@ class CudaBackend:
                 if self.can_map:
                     self.h_ptab.free()
                     self.h_ids_all.free()
+                    if self.prefetch:
+                        self.h_pred.free()
                 self._map_refs = []
                 self._inflight = []
                 self.cells.close(lambda h: h.free())
             self.stream.destroy()
             self.side.destroy()
             self.branch.destroy()
+            self.branch2.destroy()

@@ -68,6 +68,11 @@ from strata.reference.moe import group_by_expert
 from strata.reference.ple import NgramWindow, PleState
 from strata.reference.qsa import QsaState
 
+# How a mapped token's kernels get the experts it misses in VRAM (the CUDA backend's mapped_reads, HostConfig's):
+# fetched into VRAM staging first ("fetch"), the same with the next layer's predicted misses fetched a layer early
+# ("prefetch"), or read over PCIe by the expert kernels themselves ("direct")
+MAPPED_READS = ("fetch", "prefetch", "direct")
+
 
 class BackendError(RuntimeError):
     """The device failed or stopped answering; the message says which call and why."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.host.backend import Backend, BackendError, ExpertPlan, Route, Segment, Step
+from strata.host.backend import MAPPED_READS, Backend, BackendError, ExpertPlan, Route, Segment, Step
 from strata.host.direct_io import ram_bytes, rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PLE_CACHE, PleReader
@@ -157,8 +157,11 @@ class HostConfig:
                                             # "never"
     mapped_reads: str = "fetch"             # how a mapped token's expert kernels get its misses: "fetch", a
                                             # kernel on every SM copies a layer's misses into VRAM staging first;
-                                            # "direct", the expert kernels read them over PCIe themselves. Both
-                                            # measured near PCIe speed on the H200 (bench/RESULTS.md)
+                                            # "prefetch", the same, and the next layer's router applied to this
+                                            # layer's MoE input predicts its experts, whose misses are fetched
+                                            # beside this layer's compute (the trace gives the hit rate);
+                                            # "direct", the expert kernels read them over PCIe themselves. fetch
+                                            # and direct measured near PCIe speed on the H200 (bench/RESULTS.md)
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads
@@ -174,8 +177,8 @@ class HostConfig:
         for name in ("stream_experts", "map_experts"):
             if getattr(self, name) not in ("auto", "always", "never"):
                 raise ValueError(f"HostConfig.{name} = {getattr(self, name)!r}: 'auto', 'always' or 'never'")
-        if self.mapped_reads not in ("fetch", "direct"):
-            raise ValueError(f"HostConfig.mapped_reads = {self.mapped_reads!r}: 'fetch' or 'direct'")
+        if self.mapped_reads not in MAPPED_READS:
+            raise ValueError(f"HostConfig.mapped_reads = {self.mapped_reads!r}: one of {', '.join(MAPPED_READS)}")
         if self.prefetch not in ("previous", "router", "off"):
             raise ValueError(f"HostConfig.prefetch = {self.prefetch!r}: 'previous', 'router' or 'off'")
         if self.step_tokens is not None and self.step_tokens < 1:
@@ -987,6 +990,12 @@ class Scheduler:
             st.mapped_device(t["table_ms"], t["graph_ms"], t["promoted"])
         ids, res = be.token_routes()
         self._map_routes = (ids, res)                  # the LRU's recency is updated with the promotions
+        pref = getattr(be, "token_prefetch", None)     # mapped_reads="prefetch" (CUDA)
+        got = pref() if pref is not None else None
+        if got is not None:
+            misses, predicted, fetched, nbytes = got
+            st.prefetch_issued(fetched, nbytes)
+            st.prefetch_used(misses, predicted)
         self.cache.count_token(ids, res)
         k = ids.shape[1]
         hits = res.sum(axis=1).tolist()

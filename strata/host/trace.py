@@ -21,9 +21,11 @@ rows only), "decode" (decode rows only) or "mixed".
                                                                        # backend's), misses to the CPU pool or
                                                                        # uploaded; misses from the RAM tier or SSD
      "ple":     [rows, cache_hits],                                    # PLE table rows read, of them from RAM
-     "prefetch": [started, misses, predicted],                         # reads the prefetch started (HostConfig.
-                                                                       # prefetch), the VRAM misses, and of them
-                                                                       # the ones it had predicted
+     "prefetch": [started, misses, predicted, bytes],                  # reads the prefetch started (HostConfig.
+                                                                       # prefetch) or experts a mapped token
+                                                                       # fetched a layer early (mapped_reads
+                                                                       # "prefetch"), the VRAM misses, of them
+                                                                       # the ones predicted, the bytes started
      "experts_mode": "split" | "stream" | "mapped",                    # split: each layer's misses between the
                                                                        # CPU pool and uploads; stream: every
                                                                        # expert a layer lacks in VRAM copied in
@@ -152,7 +154,7 @@ class StepTrace:
     experts: list = field(default_factory=list)   # (layer, routed, hits, cpu, fetched, cpu_bytes, fetched_bytes,
                                                   #  ram, ssd)
     ple: list = field(default_factory=lambda: [0, 0])     # [rows, cache hits]
-    prefetch: list = field(default_factory=lambda: [0, 0, 0])     # [reads started, misses, misses predicted]
+    prefetch: list = field(default_factory=lambda: [0, 0, 0, 0])  # [started, misses, misses predicted, bytes]
     mode: str = "split"                           # how the layers' misses were served: "split" or "stream"
     stream: list = field(default_factory=list)    # (layer, experts, bytes, copy, exposed, pre, post, idle ms)
     mapped: list = field(default_factory=lambda: [0, 0])  # mapped steps: [VRAM misses read in place, their bytes]
@@ -192,8 +194,9 @@ class StepTrace:
         n, nbytes, ms = promoted or (0, 0, 0.0)
         self.mapped_dev = [round(table_ms, 4), round(graph_ms, 4), int(n), int(nbytes), round(ms, 4)]
 
-    def prefetch_issued(self, n: int) -> None:
+    def prefetch_issued(self, n: int, nbytes: int = 0) -> None:
         self.prefetch[0] += n
+        self.prefetch[3] += nbytes
 
     def prefetch_used(self, misses: int, predicted: int) -> None:
         self.prefetch[1] += misses
@@ -377,7 +380,8 @@ class PhaseSummary:
     ple_rows: int = 0             # PLE rows asked, all steps, and of them from the RAM cache
     ple_hits: int = 0
     peak_rss: int = 0             # bytes: the process's high-water mark at the phase's last step
-    prefetch: tuple = (0, 0, 0)   # all steps: reads the prefetch started, VRAM misses, misses it predicted
+    prefetch: tuple = (0, 0, 0, 0)    # all steps: reads (experts) the prefetch started, VRAM misses, misses it
+                                      # predicted, bytes started
     stream_steps: int = 0         # steps that streamed their experts; per such step: bytes copied, the device's
     stream_bytes: float = 0.0     # copy time, and of it what the posts waited for (exposed)
     stream_copy_ms: float = 0.0
@@ -442,7 +446,7 @@ def summarize(records: list[dict]) -> list[PhaseSummary]:
             sum(x[1] for r in rs for x in r["io"] if x[0] == "ple") / n,
             io_busy / n, io_host / n, io_exposed / n, sum(p[0] for p in ple), sum(p[1] for p in ple),
             max((r.get("peak_rss", 0) for r in rs), default=0),
-            tuple(sum(r.get("prefetch", (0, 0, 0))[i] for r in rs) for i in range(3)),
+            tuple(sum((list(r.get("prefetch", ())) + [0] * 4)[i] for r in rs) for i in range(4)),
             sum(r.get("experts_mode") == "stream" for r in rs), sum(x[2] for x in sm) / ns,
             sum(x[3] for x in sm) / ns, sum(x[4] for x in sm) / ns,
             sum(r.get("experts_mode") == "mapped" for r in rs), sum(r.get("mapped", (0, 0))[0] for r in rs),
@@ -509,8 +513,13 @@ def format_summary(phases: list[PhaseSummary], prefixes: list[dict] = ()) -> str
                          f"VRAM, {p.stream_bytes / 1e9:.2f} GB/step in {p.stream_copy_ms:.1f} ms on the device "
                          f"({rate:.1f} GB/s), {pct(p.stream_copy_ms - p.stream_exposed_ms, p.stream_copy_ms)} "
                          f"hidden behind compute ({p.stream_exposed_ms:.1f} ms/step exposed)")
-        started, misses, predicted = p.prefetch
-        if started:
+        started, misses, predicted, pbytes = p.prefetch
+        if started and p.mapped_steps:
+            lines.append(f"  prefetch (mapped_reads prefetch): {started / p.steps:.1f} experts/step, "
+                         f"{pbytes / p.steps / 1e6:.2f} MB/step fetched a layer early beside the compute; "
+                         f"{pct(predicted, misses)} of the VRAM misses predicted, {pct(predicted, started)} of the "
+                         f"experts fetched used")
+        elif started:
             lines.append(f"  prefetch (HostConfig.prefetch): {started / p.steps:.1f} reads started/step, "
                          f"{pct(predicted, misses)} of the VRAM misses predicted, {pct(predicted, started)} of the "
                          f"reads used")

@@ -160,16 +160,23 @@ def _room(n: int) -> int:
 
 
 def fetch_table(ptab: np.ndarray, ids: np.ndarray, dev_lo: int, dev_hi: int, layout: FetchLayout,
-                stage: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+                stage: int, pre_ids: np.ndarray | None = None,
+                pre_eff: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """What moe_fetch does, in numpy: (eff (k, 3) uint64, the copies [(16-aligned source, staging offset,
-    bytes)]) for a layer's table ptab (n_expert, 3), its routed ids (k) and the staging at device address `stage`."""
+    bytes)]) for a layer's table ptab (n_expert, 3), its routed ids (k) and the staging at device address `stage`.
+    pre_ids (k) / pre_eff (k, 3): a prefetch's ids and its own eff; a miss among them is not copied again."""
     eff, copies = np.zeros((len(ids), 3), np.uint64), []
     sizes, offs = (layout.n_g, layout.n_u, layout.n_d), (0, layout.off_u, layout.off_d)
+    pre = [] if pre_ids is None else np.asarray(pre_ids).tolist()
     for j, e in enumerate(np.asarray(ids).tolist()):
         host = not dev_lo <= int(ptab[e, 0]) < dev_hi
+        m = pre.index(e) if host and e in pre else -1
         for p in range(3):
             s = int(ptab[e, p])
             d = j * layout.stride + offs[p]
+            if m >= 0:
+                eff[j, p] = pre_eff[m, p]
+                continue
             if host:
                 lo, hi = s & ~15, (s + sizes[p] + 15) & ~15
                 copies.append((lo, d, hi - lo))
@@ -177,11 +184,26 @@ def fetch_table(ptab: np.ndarray, ids: np.ndarray, dev_lo: int, dev_hi: int, lay
     return eff, copies
 
 
+def prefetch_stats(ids: np.ndarray, resident: np.ndarray, preds: np.ndarray, pred_resident: np.ndarray,
+                   part_bytes: list[int]) -> tuple[int, int, int, int]:
+    """A mapped token's prefetch, counted over layers 1 .. n-1 (layer l's prediction is made beside layer l - 1):
+    (misses: routed experts not in VRAM, of them predicted, predicted experts not in VRAM (the ones prefetched),
+    their bytes). ids, resident, preds, pred_resident: (n_layer, k); part_bytes: an expert's bytes per layer.
+    Vectorized: it runs on the host between two tokens."""
+    miss = ~resident[1:]
+    predicted = (ids[1:, :, None] == preds[1:, None, :]).any(axis=2)
+    fetched = (~pred_resident[1:]).sum(axis=1)
+    return (int(miss.sum()), int((miss & predicted).sum()), int(fetched.sum()),
+            int(fetched @ np.asarray(part_bytes[1:], np.int64)))
+
+
 def fetch_launch(fn, name: str, cfg: ModelConfig, ptab: DevArray, ids: DevArray, eff: DevArray, stage: DevArray,
-                 layout: FetchLayout, dev_lo: int, dev_hi: int, n_cta: int) -> Launch:
+                 layout: FetchLayout, dev_lo: int, dev_hi: int, n_cta: int,
+                 pre: tuple[DevArray, DevArray] | None = None) -> Launch:
     """A mapped token's misses of one layer into VRAM staging (moe.cu moe_fetch): the selected experts ids (k)
     whose ptab entries lie outside [dev_lo, dev_hi) are copied by n_cta CTAs; eff (k, 3) gets every selection's
-    part addresses for expert_launches(fetched=True)."""
+    part addresses for expert_launches(fetched=True). pre = (ids (k), eff (k, 3)) of a prefetch of the layer
+    (this kernel run earlier on predicted ids into another staging): misses among them are taken from there."""
     k = cfg.n_expert_used
     if k > MAX_USED:
         raise ValueError(f"{name}: top-{k}; moe_fetch takes <= {MAX_USED}")
@@ -189,9 +211,13 @@ def fetch_launch(fn, name: str, cfg: ModelConfig, ptab: DevArray, ids: DevArray,
     need(ids, name + " ids", k, np.int32)
     need(eff, name + " fetched table", 3 * k, np.uint64)
     need(stage, name + " staging", k * layout.stride, np.uint8)
+    if pre is not None:
+        need(pre[0], name + " prefetched ids", k, np.int32)
+        need(pre[1], name + " prefetched table", 3 * k, np.uint64)
     return Launch(fn, name, (int(n_cta),), (CTA_THREADS,), 0,
                   [P(ptab), P(ids), P(eff), P(stage), P(int(dev_lo)), P(int(dev_hi)), I(k), I(layout.stride),
-                   I(layout.n_g), I(layout.n_u), I(layout.n_d), I(layout.off_u), I(layout.off_d)])
+                   I(layout.n_g), I(layout.n_u), I(layout.n_d), I(layout.off_u), I(layout.off_d),
+                   P(None if pre is None else pre[0]), P(None if pre is None else pre[1])])
 
 
 def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArray, gpu_parts: DevArray,
