@@ -343,7 +343,8 @@ def _engine_options(g) -> None:
                         "host memory into VRAM staging; prefetch, the same, and the next layer's router applied to "
                         "this layer's MoE input predicts its experts, whose misses are fetched beside this layer's "
                         "compute (the trace gives how many it predicted); direct, the expert kernels read them over "
-                        "PCIe themselves (fetch and direct measured near PCIe speed on the H200)")
+                        "PCIe themselves (fetch and direct measured near PCIe speed on the H200; prefetch predicted "
+                        "75-78%% of the misses there and still measured slower: bench/RESULTS.md)")
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")
