@@ -382,6 +382,7 @@ def gpu_memory_floors() -> dict:
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 def main() -> None:
+    from strata.host.backend import MAPPED_READS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--preset", default="small")
@@ -404,7 +405,7 @@ def main() -> None:
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.map_experts (decode rows as one graph, misses read from host "
                         "memory)")
-    p.add_argument("--mapped-reads", default="fetch", choices=["fetch", "prefetch", "direct"],
+    p.add_argument("--mapped-reads", default="fetch", choices=list(MAPPED_READS),
                    help="budget24: strata's HostConfig.mapped_reads (a mapped token's misses fetched into VRAM by "
                         "every SM first, with the next layer's predicted ones a layer early, or read over PCIe by the "
                         "expert kernels)")

@@ -751,8 +751,8 @@ class CudaBackend:
             def token():
                 self._enq_begin()
                 for il in range(n):
-                    pref = self.pref[il] if self.experts == "host" and il < len(self.pref) else None
-                    self._enq_token_layer(self.pre_tok[il], post[il], pref, il > 0 and il - 1 < len(self.pref))
+                    pref = self.pref[il] if il < len(self.pref) else None      # none with every expert in VRAM
+                    self._enq_token_layer(self.pre_tok[il], post[il], pref, il > 0 and bool(self.pref))
                 self._enq_head()
                 if self.experts == "host":      # the layers' routes (and predictions), for the host's cache policy
                     drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
