@@ -6,9 +6,9 @@
 # variant in VARIANTS (";"-separated STRATA_KERNEL_DEFINES values, an empty one for the source's defaults: e.g.
 # VARIANTS=";GEMV_EARLY_STAGE=0"; default just the source's) gets its own bench run, in the same call; BASE=<folder>
 # (another tree of the repository, e.g. `git archive <commit>` unpacked under build/ and carried) gets one too, on
-# the same model file, for a same-call comparison. MODEL=<path> (default models/flash.gguf) and ROUTING=realistic
-# (default uniform: make-model's routing, when the file is made) name the flash file; GEMV=0 skips the GEMV
-# timings. Logs go to $OUT.
+# the same model file, for a same-call comparison (and its GEMV timings, unless GEMV=0). MODEL=<path> (default
+# models/flash.gguf) and ROUTING=realistic (default uniform: make-model's routing, when the file is made) name the
+# flash file; GEMV=0 skips the GEMV timings. Logs go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
@@ -36,6 +36,8 @@ if [ -n "${BASE:-}" ]; then
     ln -sfn "$(realpath "$model")" "$BASE/models/flash.gguf"      # the file its gpu_check.py opens
     (cd "$BASE" && python3 bench/gpu_check.py --phases bench --long-ctx 1024 2>&1) \
         | tee -a "$out/bench_base.log" | grep -E "^(decode|per-layer|  [a-z]|  sum)"
+    [ "${GEMV:-1}" != 0 ] && (cd "$BASE" && python3 bench/gpu_check.py --phases gemv 2>&1) \
+        | tee "$out/gemv_base.log" | grep -E "gemv " | tail -12
 fi
 [ "${PROFILE:-1}" != 0 ] && MODEL=$model bash bench/gpu_profile.sh 1 | head -30
 exit 0

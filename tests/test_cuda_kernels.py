@@ -3,7 +3,9 @@
 The contract is the f32 path: ||out - ref|| / ||ref|| <= 1e-5, the reference in float64 for GEMVs (dequantized
 weights @ x) and strata.reference's float32 functions for the rest. Outputs are poisoned with NaN before each
 run, so an unwritten element fails. Sizes are not multiples of the block or warp sizes where the op allows.
-Skipped, with the reason, where there is no GPU or no cuda-bindings.
+The GPU runs are skipped, with the reason, where there is no GPU or no cuda-bindings. The tests marked
+`both_rigs` run a second time on the CPU: the same kernel sources compiled by g++ under tests/kernel_emu.h, so
+CI checks what those kernels compute, index and synchronize (not their speed) on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -15,30 +17,27 @@ import pytest
 
 from strata.config import ModelConfig
 from strata.cuda import driver as drv
+from strata.cuda.weights import device_rows
+from strata.kernels import Kernels
+from strata.kernels import gdn as kgdn
+from strata.kernels import gemv as kgemv
+from strata.kernels import hc as khc
+from strata.kernels import moe as kmoe
+from strata.kernels import ple as kple
+from strata.kernels import qsa as kqsa
+from strata.kernels.gemv import Job
+from strata.quant.dequant import dequantize
+from strata.quant.formats import QType, row_bytes, type_size
+from strata.reference.common import rms_norm, rope, rope_inv_freq
+from strata.reference.gdn import GdnState, gdn_chunk
+from strata.reference.hc import gr_read, gr_write
+from strata.reference.moe import combine, expert_ffn, route
+from strata.reference.ple import PleState, ple_block
+from strata.reference.qsa import QsaState, block_scores, qsa_chunk, select_blocks
 
-pytestmark = pytest.mark.gpu
+from kernel_emu import ArenaRig, EmuKernels, EmuRig, why_not
+
 _WHY = drv.available()
-if _WHY is not None:
-    pytest.skip(f"CUDA kernels need a GPU: {_WHY}", allow_module_level=True)
-
-from strata.cuda.arena import Arena, DevMat                                  # noqa: E402
-from strata.cuda.weights import device_rows                                  # noqa: E402
-from strata.kernels import Kernels                                           # noqa: E402
-from strata.kernels import gdn as kgdn                                       # noqa: E402
-from strata.kernels import gemv as kgemv                                     # noqa: E402
-from strata.kernels import hc as khc                                         # noqa: E402
-from strata.kernels import moe as kmoe                                       # noqa: E402
-from strata.kernels import ple as kple                                       # noqa: E402
-from strata.kernels import qsa as kqsa                                       # noqa: E402
-from strata.kernels.gemv import Job, device_row_bytes                        # noqa: E402
-from strata.quant.dequant import dequantize                                  # noqa: E402
-from strata.quant.formats import QType, row_bytes, type_size                 # noqa: E402
-from strata.reference.common import rms_norm, rope, rope_inv_freq            # noqa: E402
-from strata.reference.gdn import GdnState, gdn_chunk                         # noqa: E402
-from strata.reference.hc import gr_read, gr_write                            # noqa: E402
-from strata.reference.moe import combine, expert_ffn, route                  # noqa: E402
-from strata.reference.ple import PleState, ple_block                         # noqa: E402
-from strata.reference.qsa import QsaState, block_scores, qsa_chunk, select_blocks   # noqa: E402
 
 TOL = 1e-5
 F32 = np.float32
@@ -103,35 +102,19 @@ def random_matrix(qt: QType, n_out: int, n_in: int, rng, scale: float = 1.0) -> 
     return raw
 
 
-class Rig:
+class Rig(ArenaRig):
     """One arena per test: reserve, commit, fill, launch eagerly, read back."""
 
     def __init__(self, dev, kern):
-        self.dev, self.k = dev, kern
-        self.A = Arena()
+        super().__init__(kern)
+        self.dev = dev
         self.stream = drv.Stream()
-        self.fills: list = []
-
-    def buf(self, name, shape, dtype=F32, value=None):
-        a = self.A.reserve(name, shape, dtype)
-        if value is not None:
-            self.fills.append((a, np.asarray(value, dtype).reshape(a.shape)))
-        return a
-
-    def mat(self, name, raw: np.ndarray, qt: QType, n_out: int, n_in: int, n_mat: int = 1) -> DevMat:
-        rows = device_rows(raw, qt, n_out * n_mat, n_in)
-        a = self.buf(name, (rows.size,), np.uint8, rows.reshape(-1))
-        return DevMat(a, int(qt), n_out, n_in, device_row_bytes(qt, n_in), n_mat)
 
     def commit(self):
         self.A.commit()
         self.A.zero(self.stream)
         for a, v in self.fills:
             a.upload(v)
-
-    def poison(self, *arrays):
-        for a in arrays:
-            a.upload(np.full(a.shape, np.nan, a.dtype) if a.dtype.kind == "f" else np.full(a.shape, -7, a.dtype))
 
     def run(self, *launches):
         for launch in launches:
@@ -145,15 +128,29 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def gpu():
+    if _WHY is not None:
+        pytest.skip(f"CUDA kernels need a GPU: {_WHY}")
     dev = drv.Device.open()
     return dev, Kernels(dev.arch)
 
 
-@pytest.fixture
-def rig(gpu):
-    r = Rig(*gpu)
+@pytest.fixture(scope="module")
+def emu_kernels(request):
+    if why_not() is not None:
+        pytest.skip(f"the kernels' CPU emulator: {why_not()}")
+    return EmuKernels(request.config.cache.mkdir("kernel_emu"))
+
+
+@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.gpu)])
+def rig(request, monkeypatch):
+    """The GPU's rig, or (tests marked both_rigs) the CPU emulator's, which gives the wrappers 3 resident CTAs."""
+    r = Rig(*request.getfixturevalue("gpu")) if request.param == "gpu" else \
+        EmuRig(request.getfixturevalue("emu_kernels"), monkeypatch)
     yield r
     r.close()
+
+
+both_rigs = pytest.mark.parametrize("rig", [pytest.param("gpu", marks=pytest.mark.gpu), "emu"], indirect=True)
 
 
 def cfg_tiny(**kw) -> ModelConfig:
@@ -171,6 +168,7 @@ def cfg_tiny(**kw) -> ModelConfig:
 GEMV_CASES = [(qt, n) for qt in sorted(kgemv.KERNEL_TYPES) for n in (1, 3)]
 
 
+@both_rigs
 @pytest.mark.parametrize("qt,blocks", GEMV_CASES, ids=[f"{QType(q).name}-{b}" for q, b in GEMV_CASES])
 def test_gemv_formats(rig, qt, blocks):
     rng = np.random.default_rng(int(qt) * 7 + blocks)
@@ -200,8 +198,12 @@ def test_gemv_formats(rig, qt, blocks):
 
 
 GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)]
+# the emulator's share (its CTAs are OS threads: 8 s a format for all 21): a row group inside a warp, a whole warp
+# and several warps (group_sum's three paths), one and four rows a thread
+EMU_GEOMS = [g for g in GEOMS if g.tpg in (4, 32, 256) and g.rr in (1, 4)]
 
 
+@both_rigs
 @pytest.mark.parametrize("qt", sorted(kgemv.KERNEL_TYPES), ids=lambda q: QType(q).name)
 def test_gemv_every_geometry(rig, qt):
     """Every tile geometry computes the same product: the time model's pick (fitted to timings) is then a question
@@ -220,7 +222,7 @@ def test_gemv_every_geometry(rig, qt):
     a, b = W @ x.astype(np.float64), W2 @ x.astype(np.float64)
     with np.errstate(over="ignore"):
         glu = a / (1 + np.exp(-a)) * b
-    for g in GEOMS:
+    for g in EMU_GEOMS if isinstance(rig, EmuRig) else GEOMS:
         for pair, ref in ((None, a), (w2, glu)):
             if not kgemv.tile_fits(g, n_out, w.row_bytes, 1 if pair is None else 2):
                 continue
@@ -230,8 +232,10 @@ def test_gemv_every_geometry(rig, qt):
             assert err <= TOL, f"{QType(qt).name} tpg {g.tpg} rr {g.rr}{' GLU' if pair else ''}: rel err {err:.2e}"
 
 
+@both_rigs
 def test_gemv_mixed_jobs_and_glu(rig):
-    """One launch, four jobs of four types, one of them a GLU pair: y = silu(G x) * (U x)."""
+    """One launch, four jobs of four types, one of them a GLU pair: y = silu(G x) * (U x); on the full grid and on
+    grids of fewer CTAs than tiles."""
     rng = np.random.default_rng(5)
     n = 512
     x = rng.standard_normal(n).astype(F32)
@@ -255,11 +259,18 @@ def test_gemv_mixed_jobs_and_glu(rig):
         refs.append(ref)
     table = kgemv.job_table("jobs", len(jobs), rig.A.reserve)
     rig.commit()
-    launch = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, jobs)
-    rig.poison(*ys)
-    rig.run(launch)
-    for y, ref, (qt, _) in zip(ys, refs, specs):
-        assert rel(y.download(), ref) <= TOL, f"{qt.name}: {rel(y.download(), ref):.2e}"
+    first = None
+    # the GPU's full grid (one tile a CTA here), then fewer CTAs than tiles: each walks several tiles of several
+    # jobs through its shared buffers, and every row comes out the same, bit for bit
+    for ctas in (None, 1, 2, 5):
+        launch = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, jobs, ctas=ctas)
+        rig.poison(*ys)
+        rig.run(launch)
+        for y, ref, (qt, _) in zip(ys, refs, specs):
+            assert rel(y.download(), ref) <= TOL, f"{qt.name}, {ctas} CTAs: {rel(y.download(), ref):.2e}"
+        got = [y.download() for y in ys]
+        first = first or got
+        assert all(np.array_equal(a, b) for a, b in zip(got, first)), f"{ctas} CTAs: not the full grid's result"
 
 
 @pytest.mark.parametrize("qt", sorted(kgemv.KERNEL_TYPES), ids=lambda q: QType(q).name)

@@ -57,6 +57,28 @@ def F(x: float) -> ctypes.c_float:
 _SMEM_SET: dict[int, int] = {}     # function handle -> the dynamic shared limit set on it
 
 
+def allow_smem(fn, name: str, smem: int) -> None:
+    """Let `fn` take `smem` bytes of dynamic shared memory. The limit is the function's, not a launch's: only ever
+    raised, so every launch built keeps its room."""
+    if smem > max(SMEM_DEFAULT_LIMIT, _SMEM_SET.get(int(fn), 0)):
+        check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    smem), f"cuFuncSetAttribute({name}, {smem} B shared)")
+        _SMEM_SET[int(fn)] = smem
+
+
+def resident_ctas(fn, name: str, threads: int, smem: int) -> int:
+    """CTAs of `fn` (threads each, smem dynamic shared bytes) the current device holds at once: the grid of a
+    kernel whose CTAs loop over its work."""
+    allow_smem(fn, name, smem)
+    per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, smem), f"occupancy of {name}")
+    dev = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+    n_sm = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+                 "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)")
+    if per_sm < 1:
+        raise CudaError(f"{name}: {threads} threads with {smem} B of shared memory do not fit one multiprocessor")
+    return int(per_sm) * int(n_sm)
+
+
 class Launch:
     """fn<<<grid, block, smem>>>(args), args made with P / I / F in the kernel's parameter order."""
 
@@ -69,11 +91,7 @@ class Launch:
             raise ValueError(f"{name}: empty launch grid {self.grid} block {self.block}")
         if self.block[0] * self.block[1] * self.block[2] > 1024:
             raise ValueError(f"{name}: {self.block} is more than 1024 threads")
-        # the limit is the function's, not the launch's: only ever raised, so every launch built keeps its room
-        if self.smem > max(SMEM_DEFAULT_LIMIT, _SMEM_SET.get(int(fn), 0)):
-            check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        self.smem), f"cuFuncSetAttribute({name}, {self.smem} B shared)")
-            _SMEM_SET[int(fn)] = self.smem
+        allow_smem(fn, name, self.smem)
         self._vals = list(args)
         self._ptrs = (ctypes.c_void_p * max(len(args), 1))(*[ctypes.addressof(v) for v in self._vals])
         self._cfg = None

@@ -71,9 +71,13 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 #define STEP_WORDS 8      // then the rows' token ids, then the logit rows (batched steps: see strata/cuda/backend.py)
 
 __device__ __forceinline__ float h2f(u16 h) {
+#ifdef __CUDACC__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#else
+    return emu_half_to_float(h);
+#endif
 }
 
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float((u32)b << 16); }

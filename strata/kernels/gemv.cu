@@ -1,9 +1,9 @@
 // gemv.cu: every dense matrix-vector product of the forward pass, and the embedding lookup.
 //
 // One launch runs a table of jobs: the matrices that read the same input (GDN's qkv, gate, alpha and beta; QSA's
-// five projections; the router, the shared expert's gate vector and its gate/up pair) go in one launch. A CTA
-// (256 threads) takes one tile of one job: RT = G * RR consecutive rows staged in shared memory (quant.cuh, the
-// GEMV core), thread group g of TPG threads owning rows g, g + G, ... of the tile. Partial sums meet in a fixed
+// five projections; the router, the shared expert's gate vector and its gate/up pair) go in one launch. A tile of
+// one job is RT = G * RR consecutive rows staged in shared memory (quant.cuh, the GEMV core) and computed by a CTA
+// of 256 threads, thread group g of TPG threads owning rows g, g + G, ... of the tile. Partial sums meet in a fixed
 // order: the result is deterministic, which is what lets a replayed graph equal the eager sequence bit for bit.
 #include "quant.cuh"
 
@@ -21,47 +21,82 @@ struct GemvJob {
     i32 geom;            // log2(TPG) | RR << 4 (quant.cuh geom_*); tile rows RT = 256 / TPG * RR
 };
 
-extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const GemvJob* __restrict__ jobs,
-                                                                          int n_jobs) {
-    __shared__ float red[4 * 8];
-    // The job table and the weights never change while a graph runs, so this CTA's tile is copied in before
-    // pdl_begin: the copies overlap the previous kernel's tail. x, its output, is read only after.
+// A launch runs fewer CTAs than tiles (gemv.py gemv_launch: those that fit on the GPU at once), and each CTA walks
+// its tiles t = blockIdx.x, + gridDim.x, ... through GEMV_STAGES shared-memory buffers of `stage_bytes`: the copies of
+// the next GEMV_STAGES - 1 tiles are in flight while this one is computed. One tile a CTA, copy then compute, left
+// every multiprocessor's memory pipe idle while it computed, and the last partial wave idle for a whole tile.
+__device__ __forceinline__ int tile_job(const GemvJob* __restrict__ jobs, int n_jobs, int t) {
     int j = 0;
     for (int i = 1; i < n_jobs; i++)
-        if (jobs[i].cta0 <= (int)blockIdx.x) j = i;
-    const GemvJob J = jobs[j];
-    const int tpg = geom_tpg(J.geom), rr = geom_rr(J.geom), G = blockDim.x / tpg, RT = G * rr;
-    const int row0 = ((int)blockIdx.x - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
+        if (jobs[i].cta0 <= t) j = i;
+    return j;
+}
+
+// tile t's weight rows (both matrices of a GLU pair) as the ranges of buffer `buf`
+__device__ __forceinline__ Ranges tile_ranges(const GemvJob& J, int t, int base) {
+    const int RT = (int)blockDim.x / geom_tpg(J.geom) * geom_rr(J.geom);
+    const int row0 = (t - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
     const bool glu = J.w2 != nullptr;
+    return ranges2(J.w + (size_t)row0 * J.row_bytes, nrows * J.row_bytes,
+                   glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr, glu ? nrows * J.row_bytes2 : 0, base);
+}
 
-    const Ranges R = ranges2(J.w + (size_t)row0 * J.row_bytes, nrows * J.row_bytes,
-                             glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr, glu ? nrows * J.row_bytes2 : 0);
-    stage_constant(R);
-    __syncthreads();
+// the copies of tile t (when it exists) into buffer t's stage, as one cp.async group (empty past the last tile,
+// so that the group count a wait counts on stays the same)
+__device__ __forceinline__ void tile_issue(const GemvJob* __restrict__ jobs, int n_jobs, int n_tiles, int t, int k,
+                                           int stage_bytes) {
+    if (t < n_tiles) stage_issue(tile_ranges(jobs[tile_job(jobs, n_jobs, t)], t, (k % GEMV_STAGES) * stage_bytes));
+    cp_async_commit();
+}
 
-    const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
-    int o[4], o2[4];
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const GemvJob* __restrict__ jobs,
+                                                                          int n_jobs, int n_tiles, int stage_bytes) {
+    __shared__ float red[4 * 8];
+    // The job table and the weights never change while a graph runs, so the first tiles' copies are issued before
+    // pdl_begin: they overlap the previous kernel's tail. x, its output, is read only after.
+    if (!GEMV_EARLY_STAGE) pdl_begin();
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const int t = k * G + g;          // row of the tile
-        const bool ok = k < rr && t < nrows;
-        o[k] = ok ? range_off(R, 0) + t * J.row_bytes : -1;
-        o2[k] = ok && glu ? range_off(R, 1) + t * J.row_bytes2 : -1;
-    }
-    float4 a = dot_rows(J.type, o[0], o[1], o[2], o[3], J.x, J.n_in, l, tpg);
-    a = group_sum(a, tpg, red);
-    float4 b = a;
-    if (glu) {
-        b = dot_rows(J.type2, o2[0], o2[1], o2[2], o2[3], J.x, J.n_in, l, tpg);
-        b = group_sum(b, tpg, red);
-    }
-    if (l == 0) {
+    for (int k = 0; k < GEMV_STAGES - 1; k++)
+        tile_issue(jobs, n_jobs, n_tiles, blockIdx.x + k * gridDim.x, k, stage_bytes);
+    if (GEMV_EARLY_STAGE) pdl_begin();
+
+    int k = 0;
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x, k++) {
+        cp_async_wait_pending<GEMV_STAGES - 2>();      // this thread's copies of tile k are in
+        __syncthreads();                               // everyone's are, and everyone is done with tile k - 1
+        // tile k + STAGES - 1 goes into the buffer tile k - 1 used
+        tile_issue(jobs, n_jobs, n_tiles, t + (GEMV_STAGES - 1) * gridDim.x, k + GEMV_STAGES - 1, stage_bytes);
+
+        const GemvJob J = jobs[tile_job(jobs, n_jobs, t)];
+        const int tpg = geom_tpg(J.geom), rr = geom_rr(J.geom), G = blockDim.x / tpg, RT = G * rr;
+        const int row0 = (t - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
+        const bool glu = J.w2 != nullptr;
+        const Ranges R = tile_ranges(J, t, (k % GEMV_STAGES) * stage_bytes);
+        const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
+        int o[4], o2[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const int t = k * G + g;
-            if (k < rr && t < nrows) J.y[row0 + t] = glu ? siluf_(f4get(a, k)) * f4get(b, k) : f4get(a, k);
+        for (int q = 0; q < 4; q++) {
+            const int r = q * G + g;          // row of the tile
+            const bool ok = q < rr && r < nrows;
+            o[q] = ok ? range_off(R, 0) + r * J.row_bytes : -1;
+            o2[q] = ok && glu ? range_off(R, 1) + r * J.row_bytes2 : -1;
+        }
+        float4 a = dot_rows(J.type, o[0], o[1], o[2], o[3], J.x, J.n_in, l, tpg);
+        a = group_sum(a, tpg, red);
+        float4 b = a;
+        if (glu) {
+            b = dot_rows(J.type2, o2[0], o2[1], o2[2], o2[3], J.x, J.n_in, l, tpg);
+            b = group_sum(b, tpg, red);
+        }
+        if (l == 0) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int r = q * G + g;
+                if (q < rr && r < nrows) J.y[row0 + r] = glu ? siluf_(f4get(a, q)) * f4get(b, q) : f4get(a, q);
+            }
         }
     }
+    cp_async_wait_pending<0>();                        // no copy outlives the CTA (the empty groups past the end)
 }
 
 // R[t, s] = row step[WORDS + t] (row t's token) of the embedding table, dequantized, for every stream s; grid

@@ -1,9 +1,11 @@
 """gemv.cu's wrappers: the job table of a `gemv_jobs` launch, the tile geometry of the GEMV core, and the
 embedding lookup.
 
-The block geometry below mirrors quant.cuh's V* format structs (QK elements, BB bytes, NP parts per block). A CTA
-of NT threads takes a tile of RT = (NT / TPG) * RR rows, staged in shared memory; `geometry` picks TPG (threads
-sharing a row) and RR (rows per thread, sharing its x loads) per matrix shape from a small time model.
+The block geometry below mirrors quant.cuh's V* format structs (QK elements, BB bytes, NP parts per block). A tile
+is RT = (NT / TPG) * RR rows, staged in shared memory and computed by a CTA of NT threads; `geometry` picks TPG
+(threads sharing a row) and RR (rows per thread, sharing its x loads) per matrix shape from a small time model.
+gemv_jobs runs as many CTAs as the GPU holds at once, each cycling its tiles through GEMV_STAGES buffers so that
+the next tiles' copies run under this one's arithmetic.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata.cuda.arena import DevArray, DevMat
-from strata.cuda.launch import F, I, Launch, P, need
+from strata.cuda.launch import F, I, Launch, P, need, resident_ctas
 from strata.quant.formats import QType, row_bytes
 
 # ggml type -> (elements per block, bytes per block, parts per block), as the V* structs in quant.cuh
@@ -29,6 +31,9 @@ FLOAT_TYPES = frozenset((QType.F32, QType.F16, QType.BF16))
 CTA_THREADS = 256
 CTA_WARPS = CTA_THREADS // 32
 TILE_MAX = 46 * 1024          # bytes one CTA stages (both matrices of a GLU pair), 16-byte chunks
+GEMV_STAGES = 3               # gemv_jobs' shared buffers a CTA cycles its tiles through (quant.cuh GEMV_STAGES)
+GEMV_SMEM_MAX = 113 * 1024    # gemv_jobs' shared bytes that keep 2 CTAs a multiprocessor (228 KB, 1 KB a CTA kept)
+GEMV_TILE_MAX = 36 * 1024     # so GEMV_STAGES of gemv_jobs' tiles fit GEMV_SMEM_MAX
 N_SM = 132                    # the H200's multiprocessors: the time model's parallelism
 
 # instructions per weight of each format's decode + FMA (quant.cuh), for the time model
@@ -82,7 +87,9 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
     The coefficients are a least-squares fit to every geometry of the five dense flash matrices timed on the H200
     (`bench/gpu_check.py --phases gemv --sweep`, bench/GPU_NOTES.md): a thread's x loads (float4 reads, one per
     4 elements of each part it takes) cost ~40x its decode instructions, so rows per thread (RR, sharing them)
-    matter most; the fit's pick is within 2% of the fastest geometry on each of the five."""
+    matter most; the fit's pick was within 2% of the fastest geometry on each of the five. That fit is of the
+    kernel that took one tile a CTA, copy then compute; the tile ring (gemv_jobs) keeps the model until a sweep
+    of the ring refits it."""
     qt = QType(qt)
     np_ = n_parts(qt, n_in)
     epp = 8 if qt in FLOAT_TYPES else BLOCKS[qt][0] * 1 // BLOCKS[qt][2]
@@ -109,7 +116,7 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
 def warps_per_row(qt: int, n_in: int, n_out: int = 5) -> int:
     """Warps sharing one row in the geometry of an n_out x n_in matrix (1 when a row group fits in a warp)."""
     qt = QType(qt)
-    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in))
+    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), tile_max=GEMV_TILE_MAX)
     return max(1, g.tpg // 32)
 
 
@@ -137,8 +144,8 @@ def _check_mat(m: DevMat, what: str) -> None:
 
 
 def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> tuple[np.ndarray, int, int]:
-    """(job rows, CTAs, dynamic shared bytes) of a launch: the table's contents with addresses filled. `geom`
-    replaces the time model's pick for every job (bench/gpu_check.py's geometry sweep)."""
+    """(job rows, tiles, shared bytes of one tile's buffer) of a launch: the table's contents with addresses filled.
+    `geom` replaces the time model's pick for every job (bench/gpu_check.py's geometry sweep)."""
     rows = np.zeros(len(jobs), JOB_DTYPE)
     cta, smem = 0, 0
     for i, j in enumerate(jobs):
@@ -162,7 +169,8 @@ def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> 
             rb2 = j.w2.row_bytes
         qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) \
             else j.w2.qtype
-        g = geom or geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1)
+        g = geom or geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
+                             tile_max=GEMV_TILE_MAX)
         r["cta0"], r["geom"] = cta, g.word
         nrows = min(g.rows, j.w.n_out)
         smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))
@@ -180,17 +188,22 @@ def tile_smem(*range_bytes: int) -> int:
 
 
 def tile_fits(g: Geom, n_out: int, rb: int, halves: int = 1) -> bool:
-    """Whether a CTA's tile of geometry g (`halves` matrices of rows of rb bytes) fits 48 KB of shared memory."""
-    return tile_smem(*[min(g.rows, n_out) * rb] * halves) <= 48 * 1024
+    """Whether gemv_jobs' GEMV_STAGES buffers of geometry g's tile (`halves` matrices of rows of rb bytes) leave
+    room for 2 CTAs a multiprocessor."""
+    return GEMV_STAGES * tile_smem(*[min(g.rows, n_out) * rb] * halves) <= GEMV_SMEM_MAX
 
 
-def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job], geom: Geom | None = None) -> Launch:
-    """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job."""
-    rows, cta, smem = gemv_plan(jobs, name, geom)
+def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job], geom: Geom | None = None,
+                ctas: int | None = None) -> Launch:
+    """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job: as many
+    CTAs as the GPU holds at once (or `ctas`, at most one a tile), each walking its share of the tiles."""
+    rows, tiles, stage = gemv_plan(jobs, name, geom)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 64} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
-    return Launch(fn, name, (cta,), (CTA_THREADS,), smem, [P(table), I(len(jobs))])
+    smem = GEMV_STAGES * stage
+    grid = min(tiles, ctas or resident_ctas(fn, name, CTA_THREADS, smem))
+    return Launch(fn, name, (grid,), (CTA_THREADS,), smem, [P(table), I(len(jobs)), I(tiles), I(stage)])
 
 
 def embed_launch(fn, name: str, table: DevMat, step: DevArray, R: DevArray, norm: DevArray | None,

@@ -764,12 +764,13 @@ __device__ __forceinline__ int chunks16(const u8* s, int n) {
 __device__ __forceinline__ int range_off(const Ranges& R, int k) { return R.dst[k] + (int)((unsigned long long)R.src[k] & 15); }
 __device__ __forceinline__ int range_end(const Ranges& R, int k) { return R.dst[k] + 16 * chunks16(R.src[k], R.n[k]); }
 
-// ranges 0 and 1 back to back from shared offset 0 (range 1 may be empty: s1 nullptr, n1 0); 2 and 3 unused
-__device__ __forceinline__ Ranges ranges2(const u8* s0, int n0, const u8* s1, int n1) {
+// ranges 0 and 1 back to back from shared offset `base` (16-aligned; range 1 may be empty: s1 nullptr, n1 0); 2 and
+// 3 unused
+__device__ __forceinline__ Ranges ranges2(const u8* s0, int n0, const u8* s1, int n1, int base = 0) {
     Ranges R;
     R.src[0] = s0;
     R.n[0] = n0;
-    R.dst[0] = 0;
+    R.dst[0] = base;
     R.src[1] = s1;
     R.n[1] = n1;
     R.dst[1] = range_end(R, 0) + 16;
@@ -848,6 +849,20 @@ __device__ __forceinline__ void stage_wait() {
 #endif
 }
 
+// the cp.async copies issued since the last commit become one group; wait until at most N groups are pending
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait_pending() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
     stage_issue(R, host);
     stage_wait();
@@ -858,6 +873,12 @@ __device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
 // that variant, for the same-run comparison in bench/RESULTS.md).
 #ifndef GEMV_EARLY_STAGE
 #define GEMV_EARLY_STAGE 1
+#endif
+
+// gemv_jobs' shared-memory buffers a CTA cycles its tiles through (gemv.py GEMV_STAGES): 3 lets one barrier a tile
+// guard both "tile k landed" and "tile k - 1's buffer is free"
+#ifndef GEMV_STAGES
+#define GEMV_STAGES 3
 #endif
 
 // the constant weights' copies, then pdl_begin (the order GEMV_EARLY_STAGE picks), then this thread's copies done

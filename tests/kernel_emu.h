@@ -1,0 +1,192 @@
+// kernel_emu.h: the CUDA kernels' own sources (strata/kernels/*.cu), compiled by g++ for the CPU. One OS thread
+// per CUDA thread of a CTA, the CTAs of a grid one after another; __syncthreads is a barrier over the CTA's threads,
+// warp shuffles exchange through a per-warp slot array between two barriers of the warp, cp.async is a plain copy
+// made at issue (the worst case for a buffer reused too early), PTX prmt and the f16 conversion are written out.
+// It checks what the sources compute and how they index and synchronize, not their speed; the kernels' inline
+// PTX is under `#ifdef __CUDACC__` with a plain C++ twin beside it.
+//
+// tests/kernel_emu.py compiles a kernel file with this header first and runs its kernels through emu_launch.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __align__(n) alignas(n)
+// one CTA runs at a time, so a CTA's static shared arrays can live in static storage
+#define __shared__ static
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) int4 {
+    int x, y, z, w;
+};
+
+namespace emu {
+struct Cta {
+    dim3 block, grid;
+    std::unique_ptr<std::barrier<>> bar;
+    std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
+    std::vector<std::uint64_t> slots;     // 32 per warp: the shuffle exchange
+    std::vector<unsigned char> smem;
+};
+inline Cta* cta = nullptr;
+inline thread_local dim3 tid, bid;
+inline dim3 cur_grid;
+}  // namespace emu
+
+#define threadIdx emu::tid
+#define blockIdx emu::bid
+#define blockDim emu::cta->block
+#define gridDim emu::cur_grid
+
+inline unsigned char* emu_smem() { return emu::cta->smem.data(); }
+
+inline int emu_linear_tid() { return (int)(threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y); }
+
+inline void __syncthreads() { emu::cta->bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::cta->warp_bar[emu_linear_tid() >> 5]->arrive_and_wait(); }
+
+template <class T>
+inline T emu_shfl(T v, int src_lane) {
+    static_assert(sizeof(T) <= 8, "shuffle of a value over 8 bytes");
+    const int t = emu_linear_tid(), w = t >> 5;
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    emu::cta->slots[t] = bits;
+    __syncwarp();
+    bits = emu::cta->slots[w * 32 + (src_lane & 31)];
+    __syncwarp();
+    T r;
+    std::memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, (emu_linear_tid() & 31) ^ m); }
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
+template <class T>
+inline T __shfl_down_sync(unsigned, T v, int d) {
+    const int l = emu_linear_tid() & 31;
+    return emu_shfl(v, l + d < 32 ? l + d : l);
+}
+
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+
+// PTX prmt, default mode: byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes 0-3, y bytes 4-7); bit 3
+// of the selector nibble replicates that byte's sign bit
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const std::uint64_t v = ((std::uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) {
+        const unsigned n = (s >> (4 * i)) & 15u;
+        unsigned b = (unsigned)(v >> (8 * (n & 7))) & 0xFFu;
+        if (n & 8) b = (b & 0x80u) ? 0xFFu : 0u;
+        r |= b << (8 * i);
+    }
+    return r;
+}
+
+using std::max;
+using std::min;
+
+// f16 bits -> f32, exactly (common.cuh h2f's twin of cvt.f32.f16)
+inline float emu_half_to_float(unsigned short h) {
+    const unsigned s = (h >> 15) & 1u, e = (h >> 10) & 31u, m = h & 1023u;
+    float v;
+    if (e == 0) v = std::ldexp((float)m, -24);
+    else if (e == 31) v = m ? NAN : INFINITY;
+    else v = std::ldexp((float)(m | 1024u), (int)e - 25);
+    return s ? -v : v;
+}
+
+namespace emu {
+// Run `kernel(args...)` over grid x block with `smem` bytes of dynamic shared memory: the CTAs in order, each as
+// block.x * block.y * block.z threads. A thread that returns early drops out of the CTA's barriers (as an exited
+// CUDA thread does).
+template <class... A>
+void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args) {
+    const int nt = (int)(block.x * block.y * block.z);
+    const int nw = (nt + 31) / 32;
+    cur_grid = grid;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                Cta c;
+                c.block = block;
+                c.grid = grid;
+                c.bar = std::make_unique<std::barrier<>>(nt);
+                for (int w = 0; w < nw; w++)
+                    c.warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, nt - 32 * w)));
+                c.slots.assign((size_t)nw * 32, 0);
+                c.smem.assign(smem + 16, 0xA5);     // poison: a read of unstaged shared memory shows in the result
+                cta = &c;
+                std::vector<std::thread> th;
+                th.reserve(nt);
+                for (int t = 0; t < nt; t++)
+                    th.emplace_back([&, t] {
+                        tid.x = t % block.x;
+                        tid.y = (t / block.x) % block.y;
+                        tid.z = t / (block.x * block.y);
+                        bid.x = bx;
+                        bid.y = by;
+                        bid.z = bz;
+                        kernel(args...);
+                        c.warp_bar[t >> 5]->arrive_and_drop();
+                        c.bar->arrive_and_drop();
+                    });
+                for (auto& x : th) x.join();
+                cta = nullptr;
+            }
+}
+}  // namespace emu
+
+namespace emu {
+template <class... A, size_t... I>
+void launch_packed(void (*k)(A...), dim3 g, dim3 b, size_t smem, void** args, std::index_sequence<I...>) {
+    launch(k, g, b, smem, *static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+
+// the driver's calling convention: args[i] points at the value of parameter i
+template <class... A>
+void launch_args(void (*k)(A...), dim3 g, dim3 b, size_t smem, void** args) {
+    launch_packed(k, g, b, smem, args, std::index_sequence_for<A...>{});
+}
+}  // namespace emu
+
+#define EMU_ENTRY(name)                                                                                      \
+    extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
+                               size_t smem, void** args) {                                                   \
+        emu::launch_args(name, dim3{gx, gy, gz}, dim3{bx, by, bz}, smem, args);                              \
+    }
