@@ -273,6 +273,7 @@ def test_gemv_mixed_jobs_and_glu(rig):
         assert all(np.array_equal(a, b) for a, b in zip(got, first)), f"{ctas} CTAs: not the full grid's result"
 
 
+@both_rigs
 @pytest.mark.parametrize("qt", sorted(kgemv.KERNEL_TYPES), ids=lambda q: QType(q).name)
 def test_embed_rms(rig, qt):
     """The embedding row of a token dequantized into every stream, then the first read's grouped norm."""
@@ -307,6 +308,7 @@ def _hc_weights(rng, hc, E, r, qt=QType.Q8_0):
     return out
 
 
+@both_rigs
 @pytest.mark.parametrize("hc,E,r", [(4, 100, 12), (3, 256, 64), (4, 2560, 320)])
 def test_gr_read(rig, hc, E, r):
     """rms_group -> GEMV(down, inject) -> up_mix against strata.reference.hc.gr_read."""
@@ -335,6 +337,7 @@ def test_gr_read(rig, hc, E, r):
     assert rel(got_inj, ref_inj) <= TOL
 
 
+@both_rigs
 def test_up_mix_every_geometry(rig):
     """Every up_mix tile geometry computes the same gated mean (the pick is then a question of speed only: the
     sweep in bench/gpu_check.py --phases gemv --sweep), at the flash shape's rank and a short E."""
@@ -357,6 +360,7 @@ def test_up_mix_every_geometry(rig):
         assert rel(mixed.download(), ref) <= TOL, f"nt {geom.nt} tpg {geom.tpg}: {rel(mixed.download(), ref):.2e}"
 
 
+@both_rigs
 @pytest.mark.parametrize("rows,hc,E", [(1, 4, 333), (3, 4, 2560), (2, 1, 40)])
 def test_write_rms(rig, rows, hc, E):
     """gr_write and the next norm over a cluster of CTAs a row: slices of E that do not divide evenly, several
@@ -738,6 +742,7 @@ def test_combine_write_rms(rig):
 
 # ---- PLE ---------------------------------------------------------------------------------------------------
 
+@both_rigs
 def test_ple_mix(rig):
     """ple_mix over 12 tokens (the 9-row history wraps) against ple_block, key/value projections from numpy."""
     rng = np.random.default_rng(9)
