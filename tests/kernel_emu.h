@@ -104,18 +104,19 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 
-// PTX prmt, default mode: byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes 0-3, y bytes 4-7); bit 3
-// of the selector nibble replicates that byte's sign bit
+// CUDA's __byte_perm: byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes 0-3, y bytes 4-7); bit 3 of
+// each selector nibble is ignored (the CUDA math API's definition)
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const std::uint64_t v = ((std::uint64_t)y << 32) | x;
     unsigned r = 0;
-    for (int i = 0; i < 4; i++) {
-        const unsigned n = (s >> (4 * i)) & 15u;
-        unsigned b = (unsigned)(v >> (8 * (n & 7))) & 0xFFu;
-        if (n & 8) b = (b & 0x80u) ? 0xFFu : 0u;
-        r |= b << (8 * i);
-    }
+    for (int i = 0; i < 4; i++) r |= ((unsigned)(v >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
     return r;
+}
+
+// PTX dp4a.s32.s32: c + the dot product of a's and b's four signed bytes
+inline int emu_dp4a(unsigned a, unsigned b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
 }
 
 using std::max;
