@@ -185,14 +185,14 @@ def graph_ms(label: str, stream, launches) -> float:
     return float(np.median(times))
 
 
-def sweep_geoms(n_out: int, rb: int, halves: int):
-    """Every GEMV geometry whose tile fits the kernel's shared memory (48 KB without the opt-in)."""
+def sweep_geoms(n_out: int, rb: int, halves: int, xq: int):
+    """Every GEMV geometry whose tile ring (and xq bytes of x limbs) leave room for 2 CTAs a multiprocessor."""
     from strata.kernels.gemv import CTA_THREADS, Geom, tile_fits
     tpg = 4
     while tpg <= CTA_THREADS:
         for rr in (1, 2, 4):
             g = Geom(tpg, rr, CTA_THREADS)
-            if tile_fits(g, n_out, rb, halves):
+            if tile_fits(g, n_out, rb, halves, xq):
                 yield g
         tpg *= 2
 
@@ -318,7 +318,7 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
             per_launch_bytes = mat_bytes * halves
             if sweep:
                 picked = kgemv.geometry(qt, n_in, n_out, rb, halves=halves)
-                for geom in sweep_geoms(n_out, rb, halves):
+                for geom in sweep_geoms(n_out, rb, halves, kgemv.xq_bytes(qt, n_in)):
                     us = launch_us(f"{label} sweep", gemv_launches(geom)) * 1e3
                     sweep_rows.append({"label": label, "tpg": geom.tpg, "rr": geom.rr, "us": us,
                                        "gbps": per_launch_bytes / (us * 1e-6) / 1e9, "picked": geom == picked})

@@ -224,12 +224,40 @@ def test_gemv_every_geometry(rig, qt):
         glu = a / (1 + np.exp(-a)) * b
     for g in EMU_GEOMS if isinstance(rig, EmuRig) else GEOMS:
         for pair, ref in ((None, a), (w2, glu)):
-            if not kgemv.tile_fits(g, n_out, w.row_bytes, 1 if pair is None else 2):
+            if not kgemv.tile_fits(g, n_out, w.row_bytes, 1 if pair is None else 2, kgemv.xq_bytes(qt, n_in)):
                 continue
             rig.poison(y)
             rig.run(kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, [Job(w, xb, y, w2=pair)], g))
             err = rel(y.download(), ref)
             assert err <= TOL, f"{QType(qt).name} tpg {g.tpg} rr {g.rr}{' GLU' if pair else ''}: rel err {err:.2e}"
+
+
+@both_rigs
+@pytest.mark.parametrize("qt", sorted(kgemv.INT_TYPES | {QType.BF16}), ids=lambda q: QType(q).name)
+def test_gemv_x_range(rig, qt):
+    """x whose groups of 32 span 12 decades, one of them zero, one with an outlier: the integer path scales each
+    group on its own (quant.cuh xq_prep) and stays within the f32 contract; an inf or a NaN anywhere in x makes
+    every output non-finite, as the f32 path's products do."""
+    rng = np.random.default_rng(int(qt) + 7)
+    n_in, n_out = 512, 21
+    raw = random_matrix(qt, n_out, n_in, rng)
+    x = (rng.standard_normal(n_in) * np.repeat(10.0 ** rng.uniform(-6, 6, n_in // 32), 32)).astype(F32)
+    x[64:96] = 0
+    x[200] = np.float32(3e7)
+    w, xb, y = rig.mat("w", raw, qt, n_out, n_in), rig.buf("x", (n_in,)), rig.buf("y", (n_out,))
+    table = kgemv.job_table("jobs", 1, rig.A.reserve)
+    rig.commit()
+    launch = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, [Job(w, xb, y)])
+    W = dequantize(raw, qt).reshape(n_out, n_in).astype(np.float64)
+    xb.upload(x)
+    rig.poison(y)
+    rig.run(launch)
+    assert rel(y.download(), W @ x.astype(np.float64)) <= TOL
+    for bad in (np.inf, np.nan):
+        xb.upload(np.where(np.arange(n_in) == 333, np.float32(bad), x))
+        rig.poison(y)
+        rig.run(launch)
+        assert not np.isfinite(y.download()).any(), f"x[333] = {bad}: a finite output"
 
 
 @both_rigs

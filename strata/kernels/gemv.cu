@@ -60,6 +60,8 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
         tile_issue(jobs, n_jobs, n_tiles, blockIdx.x + k * gridDim.x, k, stage_bytes);
     if (GEMV_EARLY_STAGE) pdl_begin();
 
+    const int xo = GEMV_STAGES * stage_bytes;           // the integer path's x limbs, after the ring
+    const float* xq_of = nullptr;                        // the x they hold
     int k = 0;
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x, k++) {
         cp_async_wait_pending<GEMV_STAGES - 2>();      // this thread's copies of tile k are in
@@ -72,6 +74,12 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
         const int row0 = (t - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
         const bool glu = J.w2 != nullptr;
         const Ranges R = tile_ranges(J, t, (k % GEMV_STAGES) * stage_bytes);
+        const bool ia = int_type(J.type), ib = glu && int_type(J.type2);
+        if ((ia || ib) && J.x != xq_of) {                // uniform over the CTA: every thread reads the same job
+            xq_prep(J.x, J.n_in, xo);
+            xq_of = J.x;
+            __syncthreads();
+        }
         const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
         int o[4], o2[4];
 #pragma unroll
@@ -81,11 +89,13 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
             o[q] = ok ? range_off(R, 0) + r * J.row_bytes : -1;
             o2[q] = ok && glu ? range_off(R, 1) + r * J.row_bytes2 : -1;
         }
-        float4 a = dot_rows(J.type, o[0], o[1], o[2], o[3], J.x, J.n_in, l, tpg);
+        float4 a = ia ? dot_rows_i(J.type, o[0], o[1], o[2], o[3], xo, J.n_in, l, tpg)
+                      : dot_rows(J.type, o[0], o[1], o[2], o[3], J.x, J.n_in, l, tpg);
         a = group_sum(a, tpg, red);
         float4 b = a;
         if (glu) {
-            b = dot_rows(J.type2, o2[0], o2[1], o2[2], o2[3], J.x, J.n_in, l, tpg);
+            b = ib ? dot_rows_i(J.type2, o2[0], o2[1], o2[2], o2[3], xo, J.n_in, l, tpg)
+                   : dot_rows(J.type2, o2[0], o2[1], o2[2], o2[3], J.x, J.n_in, l, tpg);
             b = group_sum(b, tpg, red);
         }
         if (l == 0) {

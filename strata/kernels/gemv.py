@@ -34,6 +34,8 @@ TILE_MAX = 46 * 1024          # bytes one CTA stages (both matrices of a GLU pai
 GEMV_STAGES = 3               # gemv_jobs' shared buffers a CTA cycles its tiles through (quant.cuh GEMV_STAGES)
 GEMV_SMEM_MAX = 113 * 1024    # gemv_jobs' shared bytes that keep 2 CTAs a multiprocessor (228 KB, 1 KB a CTA kept)
 GEMV_TILE_MAX = 36 * 1024     # so GEMV_STAGES of gemv_jobs' tiles fit GEMV_SMEM_MAX
+# the formats gemv_jobs takes on the integer path (quant.cuh int_type: x in three 8-bit limbs, dp4a)
+INT_TYPES = frozenset((QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS))
 N_SM = 132                    # the H200's multiprocessors: the time model's parallelism
 
 # instructions per weight of each format's decode + FMA (quant.cuh), for the time model
@@ -116,7 +118,7 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
 def warps_per_row(qt: int, n_in: int, n_out: int = 5) -> int:
     """Warps sharing one row in the geometry of an n_out x n_in matrix (1 when a row group fits in a warp)."""
     qt = QType(qt)
-    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), tile_max=GEMV_TILE_MAX)
+    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), tile_max=tile_max(xq_bytes(qt, n_in)))
     return max(1, g.tpg // 32)
 
 
@@ -143,11 +145,29 @@ def _check_mat(m: DevMat, what: str) -> None:
                          f"{device_row_bytes(QType(m.qtype), m.n_in)}")
 
 
-def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> tuple[np.ndarray, int, int]:
-    """(job rows, tiles, shared bytes of one tile's buffer) of a launch: the table's contents with addresses filled.
-    `geom` replaces the time model's pick for every job (bench/gpu_check.py's geometry sweep)."""
+def xq_bytes(qt: int, n_in: int) -> int:
+    """Shared bytes of x's limbs for the integer path (quant.cuh xq_bytes), 0 for a format on the f32 path."""
+    if QType(qt) not in INT_TYPES:
+        return 0
+    return (3 * n_in + n_in // 32 * 4 + n_in // 16 * 4 + 15) // 16 * 16
+
+
+def launch_xq_bytes(jobs: list[Job]) -> int:
+    return max((xq_bytes(m.qtype, m.n_in) for j in jobs for m in (j.w, j.w2) if m is not None), default=0)
+
+
+def tile_max(xq: int) -> int:
+    """The largest tile gemv_jobs' ring takes beside `xq` bytes of x limbs, 2 CTAs a multiprocessor."""
+    return min(GEMV_TILE_MAX, (GEMV_SMEM_MAX - xq) // GEMV_STAGES - 64)
+
+
+def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> tuple[np.ndarray, int, int, int]:
+    """(job rows, tiles, shared bytes of one tile's buffer, shared bytes of x's limbs) of a launch: the table's
+    contents with addresses filled. `geom` replaces the time model's pick for every job (bench/gpu_check.py's
+    geometry sweep)."""
     rows = np.zeros(len(jobs), JOB_DTYPE)
     cta, smem = 0, 0
+    xq = launch_xq_bytes(jobs)
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
         _check_mat(j.w, what)
@@ -170,12 +190,12 @@ def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> 
         qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) \
             else j.w2.qtype
         g = geom or geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
-                             tile_max=GEMV_TILE_MAX)
+                             tile_max=tile_max(xq))
         r["cta0"], r["geom"] = cta, g.word
         nrows = min(g.rows, j.w.n_out)
         smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))
         cta += -(-j.w.n_out // g.rows)
-    return rows, cta, smem
+    return rows, cta, smem, xq
 
 
 def tile_smem(*range_bytes: int) -> int:
@@ -187,21 +207,21 @@ def tile_smem(*range_bytes: int) -> int:
     return total + 16
 
 
-def tile_fits(g: Geom, n_out: int, rb: int, halves: int = 1) -> bool:
-    """Whether gemv_jobs' GEMV_STAGES buffers of geometry g's tile (`halves` matrices of rows of rb bytes) leave
-    room for 2 CTAs a multiprocessor."""
-    return GEMV_STAGES * tile_smem(*[min(g.rows, n_out) * rb] * halves) <= GEMV_SMEM_MAX
+def tile_fits(g: Geom, n_out: int, rb: int, halves: int = 1, xq: int = 0) -> bool:
+    """Whether gemv_jobs' GEMV_STAGES buffers of geometry g's tile (`halves` matrices of rows of rb bytes) and xq
+    bytes of x limbs leave room for 2 CTAs a multiprocessor."""
+    return GEMV_STAGES * tile_smem(*[min(g.rows, n_out) * rb] * halves) + xq <= GEMV_SMEM_MAX
 
 
 def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job], geom: Geom | None = None,
                 ctas: int | None = None) -> Launch:
     """Fill `table` (uploaded now, synchronously: setup time) and return the launch running every job: as many
     CTAs as the GPU holds at once (or `ctas`, at most one a tile), each walking its share of the tiles."""
-    rows, tiles, stage = gemv_plan(jobs, name, geom)
+    rows, tiles, stage, xq = gemv_plan(jobs, name, geom)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 64} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
-    smem = GEMV_STAGES * stage
+    smem = GEMV_STAGES * stage + xq
     grid = min(tiles, ctas or resident_ctas(fn, name, CTA_THREADS, smem))
     return Launch(fn, name, (grid,), (CTA_THREADS,), smem, [P(table), I(len(jobs)), I(tiles), I(stage)])
 

@@ -3,7 +3,9 @@
 // THE F32 PATH (the GPU's correctness contract): a weight is dequantized to float32 in registers exactly as
 // strata.quant.dequantize does (w = a*q + b per group), multiplied by the float32 activation and accumulated in
 // float32. Nothing is rounded to a lower-precision activation format, so y matches dequantize(W) @ x (float64)
-// to float32 accumulation error (~1e-7 relative), not llama.cpp's vec_dot_type rounding.
+// to float32 accumulation error (~1e-7 relative), not llama.cpp's vec_dot_type rounding. The dense GEMVs'
+// integer path (below: Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS in gemv_jobs) keeps 23 bits of each group of 32 of x,
+// not llama.cpp's 8: 2-5e-7 relative on the tests' matrices, the f32 path's 1-2e-7.
 //
 // A block is split into NP "parts" of EPP elements; a lane takes whole parts, so a row of n blocks is n*NP
 // independent work items spread over the lanes of a warp (or of several warps, `lanes` below). A part holds G
@@ -487,6 +489,39 @@ __device__ __forceinline__ void k_scales2(int o, int c, int& sc0, int& m0, int& 
     m1 = (int)((M >> (sh + 8)) & 0xFFu);
 }
 
+// Q8_0 part p's 16 int8 (block at shared offset o, 2-aligned) as 4 words, element 4k + i in byte i of word k
+__device__ __forceinline__ void q8_0_words(int o, int p, u32 (&w)[4]) {
+    const int a = o + 2 + 16 * p, a4 = a & ~3;
+    const u32 sel = (a & 2) ? 0x5432u : 0x3210u;
+    u32 A[5];
+#pragma unroll
+    for (int k = 0; k < 5; k++) A[k] = sm_u32(a4 + 4 * k);
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = __byte_perm(A[k], A[k + 1], sel);
+}
+
+// Q6_K part p's 32 six-bit codes (0..63, unsigned; block at shared offset o): q[k][t] holds the part's runs 2k + t,
+// one code a byte, each LOP assembling 4; the scale d
+__device__ __forceinline__ void q6_k_codes(int o, int p, u32 (&q)[4][2], float& d) {
+    const int h = p >> 2, l0 = 8 * (p & 3);
+    u32 A0, A1, B0, B1, H0, H1;
+    sm_u64_a2(o + 64 * h + l0, A0, A1);
+    sm_u64_a2(o + 64 * h + 32 + l0, B0, B1);
+    sm_u64_a2(o + 128 + 32 * h + l0, H0, H1);
+    const u32 ql[2][2] = {{A0, A1}, {B0, B1}}, qh[2] = {H0, H1};
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+            q[k][t] = ((ql[k & 1][t] >> (4 * (k >> 1))) & 0x0F0F0F0Fu) | (((qh[t] >> (2 * k)) & 0x03030303u) << 4);
+    d = h2f((u16)sm_u16(o + 208));
+}
+
+// Q6_K part p's scale of its runs 2k, 2k + 1 (int8)
+__device__ __forceinline__ float q6_k_scale(int o, int p, int k) {
+    return (float)(i8)SMEM[o + 192 + 8 * (p >> 2) + 2 * k + ((8 * (p & 3)) >> 4)];
+}
+
 struct VQ2_0 {   // part: the 16 codes of one word (element k at bits 2k); v = (c - 1) d
     enum { QK = 64, BB = 18, NP = 4, EPP = 16, G = 1, HAS_B = 0, IS_FLOAT = 0 };
     __device__ static int run(int p, int r) { return 16 * p + 4 * r; }
@@ -506,15 +541,12 @@ struct VQ8_0 {   // part: 16 of the block's 32 int8 (block 34 B, 2-aligned); v =
     enum { QK = 32, BB = 34, NP = 2, EPP = 16, G = 1, HAS_B = 0, IS_FLOAT = 0 };
     __device__ static int run(int p, int r) { return 16 * p + 4 * r; }
     __device__ static float dot(int o, int p, const float* xv, const float*, u32 mg) {
-        const int a = o + 2 + 16 * p, a4 = a & ~3;
-        const u32 sel = (a & 2) ? 0x5432u : 0x3210u;
-        u32 A[5];
-#pragma unroll
-        for (int k = 0; k < 5; k++) A[k] = sm_u32(a4 + 4 * k);
+        u32 W[4];
+        q8_0_words(o, p, W);
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const u32 w = __byte_perm(A[k], A[k + 1], sel) ^ 0x80808080u;
+            const u32 w = W[k] ^ 0x80808080u;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 if (k & 1) s1 = fmaf(ubyte(w, i, 128.0f), xv[4 * k + i], s1);
@@ -584,28 +616,29 @@ struct VQ6_K {   // parts as FQ6_K (block 210 B, 2-aligned); 4 bytes of 6-bit co
     enum { QK = 256, BB = 210, NP = 8, EPP = 32, G = 4, HAS_B = 0, IS_FLOAT = 0 };
     __device__ static int run(int p, int r) { return FQ6_K::run(p, r); }
     __device__ static float dot(int o, int p, const float* xv, const float*, u32 mg) {
-        const int h = p >> 2, l0 = 8 * (p & 3);
-        u32 A0, A1, B0, B1, H0, H1;
-        sm_u64_a2(o + 64 * h + l0, A0, A1);
-        sm_u64_a2(o + 64 * h + 32 + l0, B0, B1);
-        sm_u64_a2(o + 128 + 32 * h + l0, H0, H1);
-        const u32 ql[2][2] = {{A0, A1}, {B0, B1}}, qh[2] = {H0, H1};
-        const float d = h2f((u16)sm_u16(o + 208));
+        u32 q[4][2];
+        float d;
+        q6_k_codes(o, p, q, d);
         float acc = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             float s = 0.0f;
 #pragma unroll
-            for (int t = 0; t < 2; t++) {
-                const u32 q = ((ql[k & 1][t] >> (4 * (k >> 1))) & 0x0F0F0F0Fu) | (((qh[t] >> (2 * k)) & 0x03030303u) << 4);
+            for (int t = 0; t < 2; t++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) s = fmaf(ubyte(q, i, 32.0f), xv[8 * k + 4 * t + i], s);
-            }
-            acc += (d * (float)(i8)SMEM[o + 192 + 8 * h + 2 * k + (l0 >> 4)]) * s;
+                for (int i = 0; i < 4; i++) s = fmaf(ubyte(q[k][t], i, 32.0f), xv[8 * k + 4 * t + i], s);
+            acc += (d * q6_k_scale(o, p, k)) * s;
         }
         return acc;
     }
 };
+
+// IQ4_XS sub-block ib's scale d (ls - 32), block at shared offset o
+__device__ __forceinline__ float iq4_xs_scale(int o, int ib) {
+    const int sh = (int)sm_u16(o + 2);
+    const int ls = ((SMEM[o + 4 + (ib >> 1)] >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+    return h2f((u16)sm_u16(o)) * (float)(ls - 32);
+}
 
 struct VIQ4_XS {  // part = sub-block of 32; the table lookups take the nibbles in their natural order
     enum { QK = 256, BB = 136, NP = 8, EPP = 32, G = 1, HAS_B = 0, IS_FLOAT = 0 };
@@ -627,9 +660,7 @@ struct VIQ4_XS {  // part = sub-block of 32; the table lookups take the nibbles 
             s0 = fmaf(ubyte(r1, 2, 128.0f), xv[4 * k + 3], s0);
             s1 = fmaf(ubyte(r1, 3, 128.0f), xv[16 + 4 * k + 3], s1);
         }
-        const int sh = (int)sm_u16(o + 2);
-        const int ls = ((SMEM[o + 4 + (ib >> 1)] >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
-        return (h2f((u16)sm_u16(o)) * (float)(ls - 32)) * (s0 + s1);
+        return iq4_xs_scale(o, ib) * (s0 + s1);
     }
 };
 
@@ -742,6 +773,235 @@ __device__ __forceinline__ float4 dot_rows(int type, int o0, int o1, int o2, int
         case T_IQ4_XS: return group_dot<VIQ4_XS>(o0, o1, o2, o3, x, n_in, l, tpg, mg);
     }
     float4 r;                           // an unknown type poisons the output instead of passing silently
+    r.x = r.y = r.z = r.w = __int_as_float(0x7fc00000);
+    return r;
+}
+
+// ---- the integer path (gemv_jobs): x as three 8-bit limbs of a 23-bit integer, weights as int8, dp4a ---------
+//
+// Decoding a weight to float32 costs 3-5 instructions (extract, convert, FFMA), which left the GEMVs of the 4-bit
+// formats bound by the instruction issue rather than by HBM. Here each group of 32 elements of x is scaled by a power
+// of two 2^-s that brings its largest |x| under 2^22 and rounded to an integer q (|x - q 2^s| <= 2^(s-1), about
+// 2^-23 of the group's largest |x|: a bit more than the 22 the batched step's 3xFP16 GEMM keeps), q = l0 + 2^8 l1
+// + 2^16 l2 in signed bytes; the weights' codes are int8 already or after one or two logic ops, and dp4a takes four of
+// them against four elements of one limb. A group's three integer sums are exact; they meet in float32 once a
+// group (limbs_f), are scaled by the weight group's scale and 2^s and accumulated in float32 as the f32 path does.
+// A group whose x holds an inf or NaN gets a NaN scale, so a non-finite input still comes out non-finite.
+//
+// The limbs live in shared memory after gemv_jobs' tile ring, made once a CTA for each x (xq_prep): L0, L1, L2
+// (n_in bytes each), then the groups' 2^s (n_in / 32 floats), then each 16 elements' sum of q (n_in / 16 floats:
+// the K-quants' min terms).
+
+__device__ __forceinline__ int xq_bytes(int n_in) { return (3 * n_in + n_in / 32 * 4 + n_in / 16 * 4 + 15) & ~15; }
+
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
+#ifdef __CUDACC__
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    return emu_dp4a(a, b, c);
+#endif
+}
+
+// x (n_in floats, n_in % 32 == 0) into the limbs at shared offset xo, by the whole CTA (blockDim.x % 32 == 0): a
+// warp's 32 lanes take one group
+__device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int xo) {
+    u8* L = SMEM + xo;
+    float* sc = (float*)(SMEM + xo + 3 * n_in);
+    float* sq = sc + n_in / 32;
+    for (int i = threadIdx.x; i < n_in; i += blockDim.x) {
+        const bool fin = fabsf(x[i]) <= 3.4e38f;                         // not inf, not NaN
+        const float v = fin ? x[i] : 0.0f;
+        const float m = warp_max(fabsf(v)), bad = warp_max(fin ? 0.0f : 1.0f);
+        const int e = (int)((__float_as_uint(m) >> 23) & 255u) - 127;     // m in [2^e, 2^(e+1)) when normal
+        const int s = max(-126, min(e - 21, 100));                         // |v| 2^-s < 2^22: |l2| <= 64
+        const int q = (int)rintf(v * pow2f(-s));
+        const int l0 = ((q + 128) & 255) - 128, r = (q - l0) >> 8;
+        const int l1 = ((r + 128) & 255) - 128, l2 = (r - l1) >> 8;
+        L[i] = (u8)l0;
+        L[n_in + i] = (u8)l1;
+        L[2 * n_in + i] = (u8)l2;
+        int t = q;
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1) t += __shfl_xor_sync(FULL_MASK, t, o);
+        const int lane = threadIdx.x & 31;
+        if ((lane & 15) == 0) sq[i / 16] = (float)t;
+        if (lane == 0) sc[i / 32] = bad == 0.0f ? pow2f(s) : __int_as_float(0x7fc00000);
+    }
+}
+
+// a group's three limb sums -> the float32 of d[0] + 2^8 d[1] + 2^16 d[2] (one rounding: the f32 path's own)
+__device__ __forceinline__ float limbs_f(const int (&d)[3]) { return fmaf((float)(d[1] + 256 * d[2]), 256.0f, (float)d[0]); }
+
+// d[k] += the dot product of w's four int8 with limb k of run r
+template <int N>
+__device__ __forceinline__ void dp4a3(u32 w, const u32 (&xl)[3][N], int r, int (&d)[3]) {
+#pragma unroll
+    for (int k = 0; k < 3; k++) d[k] = dp4a(w, xl[k][r], d[k]);
+}
+
+__device__ __forceinline__ float xq_scale(int xo, int n_in, int e) { return *(const float*)(SMEM + xo + 3 * n_in + 4 * (e >> 5)); }
+__device__ __forceinline__ float xq_sum16(int xo, int n_in, int e) {
+    return *(const float*)(SMEM + xo + 3 * n_in + 4 * (n_in >> 5) + 4 * (e >> 4));
+}
+
+// Integer format structs: V's geometry and run(), XV consecutive runs per vector load of the limbs (4: 16 bytes,
+// 2: 8 bytes), and dot(o, p, xl, xo, n_in, e0): part p of the block at shared offset o (block element 0 is x
+// element e0) against xl[k][r], limb k of the part's run r.
+struct IQ8_0 {
+    enum { QK = 32, BB = 34, NP = 2, EPP = 16, XV = 4 };
+    __device__ static int run(int p, int r) { return VQ8_0::run(p, r); }
+    __device__ static float dot(int o, int p, const u32 (&xl)[3][EPP / 4], int xo, int n_in, int e0) {
+        u32 w[4];
+        q8_0_words(o, p, w);
+        int d[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 4; k++) dp4a3(w[k], xl, k, d);
+        return (h2f((u16)sm_u16(o)) * xq_scale(xo, n_in, e0)) * limbs_f(d);
+    }
+};
+
+// Q4_K and Q5_K: word k of the part holds run k (group 2c, the low nibbles) and run 4 + k (group 2c + 1)
+template <bool Q5>
+struct IQ45_K {
+    enum { QK = 256, BB = Q5 ? 176 : 144, NP = 8, EPP = 32, XV = 4 };
+    __device__ static int run(int p, int r) { return FQ4_K::run(p, r); }
+    __device__ static float dot(int o, int p, const u32 (&xl)[3][EPP / 4], int xo, int n_in, int e0) {
+        const int c = p >> 1, hh = p & 1;
+        const uint4 v = *(const uint4*)(SMEM + o + (Q5 ? 48 : 16) + 32 * c + 16 * hh);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+        u32 h[4] = {0u, 0u, 0u, 0u};
+        if (Q5) {
+            const uint4 hv = *(const uint4*)(SMEM + o + 16 + 16 * hh);
+            h[0] = hv.x;
+            h[1] = hv.y;
+            h[2] = hv.z;
+            h[3] = hv.w;
+        }
+        int a[3] = {0, 0, 0}, b[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+            if (Q5) {
+                lo |= ((h[k] >> (2 * c)) & 0x01010101u) << 4;
+                hi |= ((h[k] >> (2 * c + 1)) & 0x01010101u) << 4;
+            }
+            dp4a3(lo, xl, k, a);
+            dp4a3(hi, xl, 4 + k, b);
+        }
+        const float d = h2f((u16)sm_u16(o)), dmin = h2f((u16)sm_u16(o + 2));
+        int sc0, m0, sc1, m1;
+        k_scales2(o + 4, c, sc0, m0, sc1, m1);
+        const int ea = e0 + 64 * c + 16 * hh, eb = ea + 32;
+        return xq_scale(xo, n_in, ea) * ((d * (float)sc0) * limbs_f(a) +
+                                         (-(dmin * (float)m0)) * xq_sum16(xo, n_in, ea)) +
+               xq_scale(xo, n_in, eb) * ((d * (float)sc1) * limbs_f(b) +
+                                         (-(dmin * (float)m1)) * xq_sum16(xo, n_in, eb));
+    }
+};
+
+// Q6_K: the part's k-th pair of runs (2k, 2k + 1) is 8 elements of scale group 2k + (l0 >> 4) of its half; the
+// 6-bit codes minus 32 as signed bytes: (q | 0x80) - 0x20 has no borrow out of a byte, ^ 0x80 is then q - 32
+struct IQ6_K {
+    enum { QK = 256, BB = 210, NP = 8, EPP = 32, XV = 2 };
+    __device__ static int run(int p, int r) { return FQ6_K::run(p, r); }
+    __device__ static float dot(int o, int p, const u32 (&xl)[3][EPP / 4], int xo, int n_in, int e0) {
+        u32 q[4][2];
+        float d;
+        q6_k_codes(o, p, q, d);
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int s[3] = {0, 0, 0};
+#pragma unroll
+            for (int t = 0; t < 2; t++) dp4a3(((q[k][t] | 0x80808080u) - 0x20202020u) ^ 0x80808080u, xl, 2 * k + t, s);
+            acc += ((d * q6_k_scale(o, p, k)) * xq_scale(xo, n_in, e0 + 128 * (p >> 2) + 32 * k)) * limbs_f(s);
+        }
+        return acc;
+    }
+};
+
+// IQ4_XS: the table gives word k's 8 values in nibble order (run k's element j, run 4 + k's element j, ...): two
+// PRMTs put run k's four into one word and run 4 + k's into another
+struct IIQ4_XS {
+    enum { QK = 256, BB = 136, NP = 8, EPP = 32, XV = 4 };
+    __device__ static int run(int ib, int r) { return VIQ4_XS::run(ib, r); }
+    __device__ static float dot(int o, int ib, const u32 (&xl)[3][EPP / 4], int xo, int n_in, int e0) {
+        const uint2 v0 = *(const uint2*)(SMEM + o + 8 + 16 * ib), v1 = *(const uint2*)(SMEM + o + 16 + 16 * ib);
+        const u32 w[4] = {v0.x, v0.y, v1.x, v1.y};
+        int d[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 r0 = iq4nl_lut4(w[k]), r1 = iq4nl_lut4(w[k] >> 16);
+            dp4a3(__byte_perm(r0, r1, 0x6420u), xl, k, d);          // run k
+            dp4a3(__byte_perm(r0, r1, 0x7531u), xl, 4 + k, d);      // run 4 + k
+        }
+        return (iq4_xs_scale(o, ib) * xq_scale(xo, n_in, e0 + 32 * ib)) * limbs_f(d);
+    }
+};
+
+// group_dot's twin on the limbs at shared offset xo
+template <class V>
+__device__ __noinline__ float4 group_dot_i(int o0, int o1, int o2, int o3, int xo, int n_in, int l, int tpg) {
+    const int nparts = n_in / V::QK * V::NP;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int i = l; i < nparts; i += tpg) {
+        const int blk = i / V::NP, p = i % V::NP, e0 = blk * V::QK;
+        u32 xl[3][V::EPP / 4];
+#pragma unroll
+        for (int k = 0; k < 3; k++) {
+#pragma unroll
+            for (int r = 0; r < V::EPP / 4; r += V::XV) {
+                const int a = xo + k * n_in + e0 + V::run(p, r);
+                if (V::XV == 4) {
+                    const uint4 t = *(const uint4*)(SMEM + a);
+                    xl[k][r] = t.x;
+                    xl[k][r + 1] = t.y;
+                    xl[k][r + 2] = t.z;
+                    xl[k][r + 3] = t.w;
+                } else {
+                    const uint2 t = *(const uint2*)(SMEM + a);
+                    xl[k][r] = t.x;
+                    xl[k][r + 1] = t.y;
+                }
+            }
+        }
+        const int bo = blk * V::BB;
+        if (o0 >= 0) a0 += V::dot(o0 + bo, p, xl, xo, n_in, e0);
+        if (o1 >= 0) a1 += V::dot(o1 + bo, p, xl, xo, n_in, e0);
+        if (o2 >= 0) a2 += V::dot(o2 + bo, p, xl, xo, n_in, e0);
+        if (o3 >= 0) a3 += V::dot(o3 + bo, p, xl, xo, n_in, e0);
+    }
+    float4 r;
+    r.x = a0;
+    r.y = a1;
+    r.z = a2;
+    r.w = a3;
+    return r;
+}
+
+// GEMV_INT (default 1): gemv_jobs takes these formats on the integer path; 0 builds the f32 path for every format
+// (STRATA_KERNEL_DEFINES=GEMV_INT=0, for the same-run comparison in bench/RESULTS.md)
+#ifndef GEMV_INT
+#define GEMV_INT 1
+#endif
+
+// the formats the integer path takes (gemv.py INT_TYPES); the rest keep the f32 path
+__device__ __forceinline__ bool int_type(int type) {
+    return GEMV_INT && (type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS);
+}
+
+__device__ __forceinline__ float4 dot_rows_i(int type, int o0, int o1, int o2, int o3, int xo, int n_in, int l,
+                                             int tpg) {
+    switch (type) {
+        case T_Q8_0: return group_dot_i<IQ8_0>(o0, o1, o2, o3, xo, n_in, l, tpg);
+        case T_Q4_K: return group_dot_i<IQ45_K<false>>(o0, o1, o2, o3, xo, n_in, l, tpg);
+        case T_Q5_K: return group_dot_i<IQ45_K<true>>(o0, o1, o2, o3, xo, n_in, l, tpg);
+        case T_Q6_K: return group_dot_i<IQ6_K>(o0, o1, o2, o3, xo, n_in, l, tpg);
+        case T_IQ4_XS: return group_dot_i<IIQ4_XS>(o0, o1, o2, o3, xo, n_in, l, tpg);
+    }
+    float4 r;
     r.x = r.y = r.z = r.w = __int_as_float(0x7fc00000);
     return r;
 }
