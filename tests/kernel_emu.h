@@ -50,6 +50,11 @@ struct alignas(16) int4 {
     int x, y, z, w;
 };
 
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+
 namespace emu {
 struct Cta {
     dim3 block, grid;

@@ -108,6 +108,32 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// the largest of the warp's 32 values (one redux instruction from sm_80 on)
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(FULL_MASK));
+    return r;
+#else
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, (u32)__shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+#endif
+}
+
+// the sum over this lane's half of the warp (lanes 0-15 or 16-31)
+__device__ __forceinline__ int half_warp_sum(int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    int r;
+    asm volatile("redux.sync.add.s32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0xFFFFu << (threadIdx.x & 16)));
+    return r;
+#else
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+#endif
+}
+
 // Sum over the whole block (blockDim a multiple of 32, at most 1024); every thread gets the result.
 // `red` is 33 floats of shared memory; the call starts and ends with a barrier so `red` can be reused.
 __device__ __forceinline__ float block_sum(float v, float* red) {

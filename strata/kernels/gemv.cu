@@ -60,8 +60,17 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
         tile_issue(jobs, n_jobs, n_tiles, blockIdx.x + k * gridDim.x, k, stage_bytes);
     if (GEMV_EARLY_STAGE) pdl_begin();
 
-    const int xo = GEMV_STAGES * stage_bytes;           // the integer path's x limbs, after the ring
+    // the integer path's x limbs, after the ring; the first tile's made while its copies are in flight (the loop's
+    // first barrier orders them before any read)
+    const int xo = GEMV_STAGES * stage_bytes;
     const float* xq_of = nullptr;                        // the x they hold
+    if ((int)blockIdx.x < n_tiles) {
+        const GemvJob& J = jobs[tile_job(jobs, n_jobs, blockIdx.x)];
+        if (int_type(J.type) || (J.w2 != nullptr && int_type(J.type2))) {
+            xq_prep(J.x, J.n_in, xo);
+            xq_of = J.x;
+        }
+    }
     int k = 0;
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x, k++) {
         cp_async_wait_pending<GEMV_STAGES - 2>();      // this thread's copies of tile k are in

@@ -811,10 +811,10 @@ __device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int 
     float* sc = (float*)(SMEM + xo + 3 * n_in);
     float* sq = sc + n_in / 32;
     for (int i = threadIdx.x; i < n_in; i += blockDim.x) {
-        const bool fin = fabsf(x[i]) <= 3.4e38f;                         // not inf, not NaN
-        const float v = fin ? x[i] : 0.0f;
-        const float m = warp_max(fabsf(v)), bad = warp_max(fin ? 0.0f : 1.0f);
-        const int e = (int)((__float_as_uint(m) >> 23) & 255u) - 127;     // m in [2^e, 2^(e+1)) when normal
+        const float a = fabsf(x[i]);
+        const u32 mb = warp_max_u32(__float_as_uint(a));                  // |x| orders as its bits; inf, NaN on top
+        const float v = a <= 3.4e38f ? x[i] : 0.0f;
+        const int e = (int)(mb >> 23) - 127;                               // the largest |x| in [2^e, 2^(e+1))
         const int s = max(-126, min(e - 21, 100));                         // |v| 2^-s < 2^22: |l2| <= 64
         const int q = (int)rintf(v * pow2f(-s));
         const int l0 = ((q + 128) & 255) - 128, r = (q - l0) >> 8;
@@ -822,12 +822,10 @@ __device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int 
         L[i] = (u8)l0;
         L[n_in + i] = (u8)l1;
         L[2 * n_in + i] = (u8)l2;
-        int t = q;
-#pragma unroll
-        for (int o = 1; o < 16; o <<= 1) t += __shfl_xor_sync(FULL_MASK, t, o);
+        const int t = half_warp_sum(q);
         const int lane = threadIdx.x & 31;
         if ((lane & 15) == 0) sq[i / 16] = (float)t;
-        if (lane == 0) sc[i / 32] = bad == 0.0f ? pow2f(s) : __int_as_float(0x7fc00000);
+        if (lane == 0) sc[i / 32] = mb < 0x7F800000u ? pow2f(s) : __int_as_float(0x7fc00000);
     }
 }
 
