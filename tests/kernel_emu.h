@@ -27,7 +27,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 // one CTA runs at a time, so a CTA's static shared arrays can live in static storage
 #define __shared__ static
 
@@ -61,6 +61,7 @@ struct Cta {
     std::unique_ptr<std::barrier<>> bar;
     std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
     std::vector<std::uint64_t> slots;     // 32 per warp: the shuffle exchange
+    std::vector<unsigned> frag;           // 6 words per lane: mma.sync's fragments
     std::vector<unsigned char> smem;
 };
 inline Cta* cta = nullptr;
@@ -99,6 +100,11 @@ inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, (emu_linear_
 template <class T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
 template <class T>
+inline T __shfl_up_sync(unsigned, T v, int d) {
+    const int l = emu_linear_tid() & 31;
+    return emu_shfl(v, l >= d ? l - d : l);
+}
+template <class T>
 inline T __shfl_down_sync(unsigned, T v, int d) {
     const int l = emu_linear_tid() & 31;
     return emu_shfl(v, l + d < 32 ? l + d : l);
@@ -126,6 +132,65 @@ inline int emu_dp4a(unsigned a, unsigned b, int c) {
 
 using std::max;
 using std::min;
+
+template <class T>
+inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <class T>
+inline T atomicMax(T* p, T v) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (old < v && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+
+// ---- the tensor-core path's PTX (gemm.cuh), by the warp's lanes exchanging their fragments --------------------
+
+inline float emu_half_to_float(unsigned short h);
+
+inline unsigned emu_f16x2(float lo, float hi) {    // cvt.rn.f16x2.f32: lo in the low half
+    const _Float16 a = (_Float16)lo, b = (_Float16)hi;
+    unsigned short x, y;
+    std::memcpy(&x, &a, 2);
+    std::memcpy(&y, &b, 2);
+    return (unsigned)x | ((unsigned)y << 16);
+}
+
+inline unsigned emu_smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - emu_smem()); }
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane L gives the address of row L % 8 of matrix L / 8; matrix i's word
+// at row L / 4, bytes 4 (L % 4).. come back in r[i]
+inline void emu_ldsm4(unsigned addr, unsigned* r) {
+    const int l = emu_linear_tid() & 31;
+    for (int i = 0; i < 4; i++) {
+        const unsigned a = emu_shfl(addr, 8 * i + l / 4);
+        std::memcpy(&r[i], emu_smem() + a + 4 * (l % 4), 4);
+    }
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][2t, 2t+1]
+// (a0), A[g+8][..] (a1), A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1); C[g][2t,
+// 2t+1] (c0, c1), C[g+8][..] (c2, c3). The products of halves are exact in float; the sum runs over k in order.
+inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
+    const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
+    unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
+    for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
+    F[6 * l + 4] = b[0];
+    F[6 * l + 5] = b[1];
+    __syncwarp();
+    auto half = [&](int lane, int reg, int hi) { return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi))); };
+    auto A = [&](int row, int k) { return half(4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); };
+    auto B = [&](int k, int n) { return half(4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); };
+    const int g = l / 4, tt = l % 4;
+    for (int j = 0; j < 4; j++) {
+        const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
+        float acc = c[j];
+        for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, n);
+        c[j] = acc;
+    }
+    __syncwarp();
+}
 
 // f16 bits -> f32, exactly (common.cuh h2f's twin of cvt.f32.f16)
 inline float emu_half_to_float(unsigned short h) {
@@ -156,6 +221,7 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                 for (int w = 0; w < nw; w++)
                     c.warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, nt - 32 * w)));
                 c.slots.assign((size_t)nw * 32, 0);
+                c.frag.assign((size_t)nw * 32 * 6, 0);
                 c.smem.assign(smem + 16, 0xA5);     // poison: a read of unstaged shared memory shows in the result
                 cta = &c;
                 std::vector<std::thread> th;

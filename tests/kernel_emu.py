@@ -15,10 +15,12 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from strata.cuda.arena import ALIGN, Arena, DevMat
+from strata.cuda.driver import HostBuffer
 from strata.cuda.weights import device_rows
 from strata.kernels.gemv import device_row_bytes
 from strata.quant.formats import QType
@@ -26,7 +28,9 @@ from strata.quant.formats import QType
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "strata" / "kernels"
 HEADER = Path(__file__).resolve().with_name("kernel_emu.h")
-_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+# in the preprocessed source (macros expanded, __global__ and __launch_bounds__ gone): every extern "C" function of a
+# kernel file is a kernel
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
 
 
 def why_not() -> str | None:
@@ -37,20 +41,22 @@ def why_not() -> str | None:
 def build(module: str, cache: Path) -> ctypes.CDLL:
     """strata/kernels/<module>.cu compiled for the CPU (cached by the hash of every source it can include)."""
     src = KERNELS / f"{module}.cu"
-    text = src.read_text()
-    names = _KERNEL_RE.findall(text)
     h = hashlib.sha256(HEADER.read_bytes())
     for p in sorted(KERNELS.glob("*.cu*")):
         h.update(p.read_bytes())
     so = cache / f"{module}-{h.hexdigest()[:16]}.so"
+    base = ["g++", "-std=c++20", "-w", "-include", str(HEADER), "-I", str(KERNELS)]
+    pre = subprocess.run(base + ["-E", "-x", "c++", str(src)], capture_output=True, text=True)
+    if pre.returncode:
+        raise RuntimeError(f"preprocessing {src.name} for the CPU emulator failed:\n{pre.stderr[-4000:]}")
+    names = sorted(set(_KERNEL_RE.findall(pre.stdout)))
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
         cpp = cache / f"{module}-emu.cpp"
         cpp.write_text(f'#include "{src}"\n' + "".join(f"EMU_ENTRY({n})\n" for n in names))
         tmp = so.with_suffix(".tmp")
-        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-include", str(HEADER),
-               "-I", str(KERNELS), str(cpp), "-o", str(tmp)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(base + ["-O1", "-shared", "-fPIC", "-pthread", str(cpp), "-o", str(tmp)],
+                           capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"compiling {src.name} for the CPU emulator failed:\n{r.stderr[-4000:]}")
         tmp.replace(so)
@@ -113,10 +119,12 @@ class EmuRig(ArenaRig):
     walk their work takes several steps each."""
 
     def __init__(self, kern: EmuKernels, monkeypatch, ctas: int = 3):
-        from strata.cuda import arena, launch
+        from strata.cuda import arena, driver, launch
         from strata.kernels import gemv
         super().__init__(kern)
         self._host = None
+        self.dev = SimpleNamespace(n_sm=2)
+        monkeypatch.setattr(driver, "HostBuffer", EmuHostBuffer)
         monkeypatch.setattr(launch, "allow_smem", lambda fn, name, smem: None)
         monkeypatch.setattr(gemv, "resident_ctas", lambda fn, name, threads, smem: ctas)
         monkeypatch.setattr(arena.DevArray, "upload", _upload)
@@ -136,6 +144,20 @@ class EmuRig(ArenaRig):
     def close(self):
         self.A.base = 0
         self._host = None
+
+
+class EmuHostBuffer(HostBuffer):
+    """Pinned host memory's stand-in: host memory is the emulator's device memory, so "mapped" is the same address."""
+
+    def __init__(self, nbytes: int, mapped: bool = False, what: str = "pinned"):
+        self._mem = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        self.nbytes = nbytes
+        self.ptr = (self._mem.ctypes.data + 63) // 64 * 64
+        self.dptr = self.ptr if mapped else 0
+        self._buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(self.ptr)
+
+    def free(self) -> None:
+        self.ptr = 0
 
 
 def _upload(self, a: np.ndarray) -> None:

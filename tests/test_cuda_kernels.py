@@ -4,8 +4,10 @@ The contract is the f32 path: ||out - ref|| / ||ref|| <= 1e-5, the reference in 
 weights @ x) and strata.reference's float32 functions for the rest. Outputs are poisoned with NaN before each
 run, so an unwritten element fails. Sizes are not multiples of the block or warp sizes where the op allows.
 The GPU runs are skipped, with the reason, where there is no GPU or no cuda-bindings. The tests marked
-`both_rigs` run a second time on the CPU: the same kernel sources compiled by g++ under tests/kernel_emu.h, so
-CI checks what those kernels compute, index and synchronize (not their speed) on a machine without a GPU.
+`both_rigs` (and the emulator's share of the GEMM cases) run a second time on the CPU: the same kernel sources
+compiled by g++ under tests/kernel_emu.h, so CI checks what every kernel file computes, indexes and synchronizes
+(not its speed) on a machine without a GPU. test_qsa_layer is the GPU's only (10 minutes on the emulator; it
+passes there too).
 """
 
 from __future__ import annotations
@@ -135,10 +137,11 @@ def gpu():
 
 
 @pytest.fixture(scope="module")
-def emu_kernels(request):
+def emu_kernels(request, tmp_path_factory):
     if why_not() is not None:
         pytest.skip(f"the kernels' CPU emulator: {why_not()}")
-    return EmuKernels(request.config.cache.mkdir("kernel_emu"))
+    cache = getattr(request.config, "cache", None)        # pytest's cache dir keeps the builds between runs
+    return EmuKernels(cache.mkdir("kernel_emu") if cache else tmp_path_factory.mktemp("kernel_emu"))
 
 
 @pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -150,7 +153,8 @@ def rig(request, monkeypatch):
     r.close()
 
 
-both_rigs = pytest.mark.parametrize("rig", [pytest.param("gpu", marks=pytest.mark.gpu), "emu"], indirect=True)
+GPU_RIG = pytest.param("gpu", marks=pytest.mark.gpu)
+both_rigs = pytest.mark.parametrize("rig", [GPU_RIG, "emu"], indirect=True)
 
 
 def cfg_tiny(**kw) -> ModelConfig:
@@ -424,6 +428,7 @@ def _gdn_weights(rng, cfg) -> SimpleNamespace:
         ssm_norm=(1 + 0.2 * rng.standard_normal(D)).astype(F32), ssm_out=np.eye(E, vd, dtype=F32))
 
 
+@both_rigs
 @pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
 def test_gdn_core(rig, Hk, Hv, D):
     """gdn_core over 7 tokens (the conv ring wraps) against gdn_chunk one token a step, with ssm_out = identity so
@@ -456,6 +461,7 @@ def test_gdn_core(rig, Hk, Hv, D):
         assert rel(got_conv, st.conv) <= TOL
 
 
+@both_rigs
 @pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
 def test_gdn_chunk(rig, Hk, Hv, D):
     """gdn_conv, gdn_prep, gdn_scan and gdn_out over chunks of 5, 1 and 6 rows (the ring wraps inside and across chunks) against the
@@ -580,6 +586,7 @@ def test_qsa_layer(rig, geom):
     assert sparse > n_tok // 2
 
 
+@both_rigs
 def test_qsa_select_ties(rig):
     """Top-k with many exact ties at the cut: lower block indices win, like select_blocks."""
     cfg = cfg_tiny(idx_budget=40)                 # top 10 blocks of ratio 4
@@ -605,6 +612,7 @@ def test_qsa_select_ties(rig):
 
 # ---- MoE ---------------------------------------------------------------------------------------------------
 
+@both_rigs
 def test_route_and_doorbell(rig):
     from strata.cuda.doorbell import Doorbell
     rng = np.random.default_rng(4)
@@ -638,6 +646,7 @@ def test_route_and_doorbell(rig):
         db.free()
 
 
+@both_rigs
 @pytest.mark.parametrize("qt", [QType.Q2_0, QType.Q4_K, QType.F32])
 def test_experts(rig, qt):
     """gate/up GLU and down over k selected experts at their slots; slot -1 rows are the host's, left unwritten."""
@@ -743,6 +752,7 @@ def test_experts(rig, qt):
         host.free()
 
 
+@both_rigs
 def test_combine_write_rms(rig):
     rng = np.random.default_rng(8)
     cfg = cfg_tiny(n_embd=300, n_expert_used=5, hc=3)
@@ -804,10 +814,13 @@ def test_ple_mix(rig):
 
 # ---- GEMM (the batched step): every format against float64 and against the GEMV row by row ---------------
 
-GEMM_CASES = [(qt, t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70)]
+# the emulator takes the 3-row buckets (the 70-row ones cost it 25 s a format)
+GEMM_CASES = [(r, qt, t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70) for r in (GPU_RIG, "emu")
+              if r != "emu" or t == 3]
 
 
-@pytest.mark.parametrize("qt,max_rows", GEMM_CASES, ids=[f"{QType(q).name}-{t}" for q, t in GEMM_CASES])
+@pytest.mark.parametrize("rig,qt,max_rows", GEMM_CASES, indirect=["rig"],
+                         ids=[f"{'emu' if r == 'emu' else 'gpu'}-{QType(q).name}-{t}" for r, q, t in GEMM_CASES])
 def test_gemm_formats(rig, qt, max_rows):
     """Y = X W^T over a bucket of max_rows rows with fewer live (n_rows is device data): rows past it untouched,
     every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xFP16 with per-row scaling is what
@@ -846,9 +859,10 @@ def test_gemm_formats(rig, qt, max_rows):
 
 
 @pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])
-@pytest.mark.parametrize("n_in, n_out, kernel",
-                         [(512, 70, "gemm_jobs64_k64_m64"), (10240, 70, "gemm_jobs64_k64_m64"),
-                          (6144, 1100, "gemm_jobs64_k64")], ids=["k512", "k10240", "k6144_wide"])
+@pytest.mark.parametrize("rig, n_in, n_out, kernel",       # the emulator takes the short rows (the long: 20-120 s)
+                         [(GPU_RIG, 512, 70, "gemm_jobs64_k64_m64"), ("emu", 512, 70, "gemm_jobs64_k64_m64"),
+                          (GPU_RIG, 10240, 70, "gemm_jobs64_k64_m64"), (GPU_RIG, 6144, 1100, "gemm_jobs64_k64")],
+                         ids=["gpu-k512", "emu-k512", "gpu-k10240", "gpu-k6144_wide"], indirect=["rig"])
 def test_gemm_dynamic_range(rig, qt, n_in, n_out, kernel):
     """f16 halves hold about 5 decades, so the tile scales each row's k-chunk by a power of two: weight rows from
     1e-7 to 1e3, step rows from 1e-9 to 1e4, a row whose magnitude jumps 1e6 between k-chunks, one with zero
@@ -893,6 +907,7 @@ def test_gemm_dynamic_range(rig, qt, n_in, n_out, kernel):
         assert rel(out[:, i], ref[:, i]) <= TOL, f"weight row {i}: {rel(out[:, i], ref[:, i]):.2e}"
 
 
+@both_rigs
 def test_gemm_one_table_two_buckets(rig):
     """The backend fills one job table per launch and captures it for every bucket of rows, whose tiles take 128
     weight rows (64 step rows, wide matrices) or 64 (16): two jobs through one table at 40 rows and at 9, against
@@ -924,6 +939,7 @@ def test_gemm_one_table_two_buckets(rig):
             assert np.isnan(out[t:]).all()
 
 
+@both_rigs
 def test_gemm_glu_gather_and_jobs(rig):
     """One launch: a GLU pair (Q4_K, Q6_K) over gathered rows, and a BF16 job; against float64."""
     from strata.kernels import gemm as kgemm

@@ -17,7 +17,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const float* __restrict__ A, const float* __restrict__ norm_w, float* ring, float* S, float* y,
     const i32* __restrict__ step, int Hk, int Hv, int Dk, int Dv, int K, float eps) {
     pdl_begin();
-    extern __shared__ float sm[];
+    float* sm = (float*)SMEM;
     __shared__ float red[33];
     float* sq = sm;
     float* sk = sm + Dk;

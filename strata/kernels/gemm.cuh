@@ -30,15 +30,24 @@
 #define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 1 ? 3 : 4)
 
 __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {     // lo in the low half: the lower k
+#ifdef __CUDACC__
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+#else
+    return emu_f16x2(lo, hi);
+#endif
 }
 
 __device__ __forceinline__ float2 f32x2_of(u32 v) {
     float2 f;
+#ifdef __CUDACC__
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
         : "=f"(f.x), "=f"(f.y) : "r"(v));
+#else
+    f.x = emu_half_to_float((u16)v);
+    f.y = emu_half_to_float((u16)(v >> 16));
+#endif
     return f;
 }
 
@@ -70,22 +79,34 @@ __device__ __forceinline__ int f16_shift(float m) {
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
+#ifdef __CUDACC__
     u32 d;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(p));
     return d;
+#else
+    return emu_smem_addr(p);
+#endif
 }
 
 __device__ __forceinline__ void ldsm4(u32 addr, u32* r) {
+#ifdef __CUDACC__
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
+#else
+    emu_ldsm4(addr, r);
+#endif
 }
 
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
+#ifdef __CUDACC__
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    emu_mma_f16(c, a, b);
+#endif
 }
 
 // A row of a tile in shared memory holds BK + 4 floats' bytes: its hi halves in bytes [0, 2 BK), its lo halves in

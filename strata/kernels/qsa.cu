@@ -22,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(128) qsa_prep(
     float* idx_blk, const i32* __restrict__ step, int H, int Hkv, int D, int Hi, int Di, int n_rot, int ratio,
     float eps, int pool) {
     pdl_begin();
-    extern __shared__ float v[];
+    float* v = (float*)SMEM;
     __shared__ float red[33];
     const int b = blockIdx.x, row = blockIdx.y;
     if (row >= step[STEP_T]) return;
@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(128) qsa_pool(const float* __restri
                                                            const i32* __restrict__ step, int Di, int n_rot, int ratio,
                                                            float eps) {
     pdl_begin();
-    extern __shared__ float v[];
+    float* v = (float*)SMEM;
     __shared__ float red[33];
     const int p0 = step[STEP_POS], t = (ratio - 1 - p0 % ratio) + (int)blockIdx.x * ratio;
     if (t >= step[STEP_T]) return;
