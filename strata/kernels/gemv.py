@@ -145,9 +145,15 @@ def _check_mat(m: DevMat, what: str) -> None:
                          f"{device_row_bytes(QType(m.qtype), m.n_in)}")
 
 
-def xq_bytes(qt: int, n_in: int) -> int:
-    """Shared bytes of x's limbs for the integer path (quant.cuh xq_bytes), 0 for a format on the f32 path."""
-    if QType(qt) not in INT_TYPES:
+def xq_layout(qt: int) -> int:
+    """The x layout the integer path of qt reads (quant.cuh xq_layout): 0 none (the f32 path), 1 natural, 2 permuted
+    in 16s (Q2_0, in the expert kernels)."""
+    return 1 if QType(qt) in INT_TYPES else 2 if QType(qt) == QType.Q2_0 else 0
+
+
+def xq_bytes(qt: int, n_in: int, layouts=(1,)) -> int:
+    """Shared bytes of x's limbs (quant.cuh xq_bytes) when qt's integer path is one of `layouts`, else 0."""
+    if xq_layout(qt) not in layouts:
         return 0
     return (3 * n_in + n_in // 32 * 4 + n_in // 16 * 4 + 15) // 16 * 16
 

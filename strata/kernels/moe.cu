@@ -193,7 +193,10 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_gate_up(con
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.F - row0);
     const Ranges R = ranges2(expert_part(J, slot, 0) + (size_t)row0 * J.rb_g, nrows * J.rb_g,
                              expert_part(J, slot, 1) + (size_t)row0 * J.rb_u, nrows * J.rb_u);
-    stage(R, J.ptab != nullptr && !J.fetched);     // unfetched misses are read from host memory
+    stage_issue(R, J.ptab != nullptr && !J.fetched);     // unfetched misses are read from host memory
+    const int lay = xq_layout(J.type_g), xo = range_end(R, 1);    // x's limbs after the tile, made meanwhile
+    if (lay != 0) xq_prep(x, J.E, xo, lay == 2);
+    stage_wait();
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4], o2[4];
@@ -204,9 +207,9 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_gate_up(con
         o[q] = ok ? range_off(R, 0) + t * J.rb_g : -1;
         o2[q] = ok ? range_off(R, 1) + t * J.rb_u : -1;
     }
-    float4 a = dot_rows(J.type_g, o[0], o[1], o[2], o[3], x, J.E, l, tpg);
+    float4 a = dot_rows_x(J.type_g, lay, o[0], o[1], o[2], o[3], x, xo, J.E, l, tpg);
     a = group_sum(a, tpg, red);
-    float4 b = dot_rows(J.type_u, o2[0], o2[1], o2[2], o2[3], x, J.E, l, tpg);
+    float4 b = dot_rows_x(J.type_u, lay, o2[0], o2[1], o2[2], o2[3], x, xo, J.E, l, tpg);
     b = group_sum(b, tpg, red);
     if (l == 0) {
 #pragma unroll
@@ -229,7 +232,11 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_down(const 
     const int tpg = geom_tpg(J.geom_d), rr = geom_rr(J.geom_d), G = blockDim.x / tpg, RT = G * rr;
     const int row0 = blockIdx.x * RT, nrows = min(RT, J.E - row0);
     const Ranges R = ranges2(expert_part(J, slot, 2) + (size_t)row0 * J.rb_d, nrows * J.rb_d, nullptr, 0);
-    stage(R, J.ptab != nullptr && !J.fetched);     // unfetched misses are read from host memory
+    stage_issue(R, J.ptab != nullptr && !J.fetched);     // unfetched misses are read from host memory
+    const float* hj = h + (size_t)blockIdx.y * J.Fp;
+    const int lay = xq_layout(J.type_d), xo = range_end(R, 0);
+    if (lay != 0) xq_prep(hj, J.F, xo, lay == 2);
+    stage_wait();
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4];
@@ -238,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) moe_down(const 
         const int t = q * G + g;
         o[q] = q < rr && t < nrows ? range_off(R, 0) + t * J.rb_d : -1;
     }
-    float4 a = dot_rows(J.type_d, o[0], o[1], o[2], o[3], h + (size_t)blockIdx.y * J.Fp, J.F, l, tpg);
+    float4 a = dot_rows_x(J.type_d, lay, o[0], o[1], o[2], o[3], hj, xo, J.F, l, tpg);
     a = group_sum(a, tpg, red);
     if (l == 0) {
 #pragma unroll

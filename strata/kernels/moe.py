@@ -10,7 +10,7 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
-from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geometry, tile_smem
+from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geometry, tile_smem, xq_bytes
 
 MAX_EXPERTS = 1024      # one router thread per expert
 MAX_USED = 64           # pk[] in moe_route
@@ -124,8 +124,9 @@ def expert_launches(fn_gate_up, fn_down, name: str, cfg: ModelConfig, job: DevAr
     job.upload(row.view(np.uint8))
     gu, dn = expert_geometry(cfg, bank)
     rg, rd = min(gu.rows, Fn), min(dn.rows, E)
-    smem_gu = tile_smem(rg * bank.gate.row_bytes, rg * bank.up.row_bytes)
-    smem_d = tile_smem(rd * bank.down.row_bytes)
+    # x's integer limbs after each tile (moe.cu: the layout the gate's format, and the down's, reads)
+    smem_gu = tile_smem(rg * bank.gate.row_bytes, rg * bank.up.row_bytes) + xq_bytes(bank.gate.qtype, E, (1, 2))
+    smem_d = tile_smem(rd * bank.down.row_bytes) + xq_bytes(bank.down.qtype, Fn, (1, 2))
     gul = Launch(fn_gate_up, name + ".gate_up", (-(-Fn // gu.rows), k), (CTA_THREADS,), smem_gu,
                  [P(job), P(slots), P(x), P(h)])
     dnl = Launch(fn_down, name + ".down", (-(-E // dn.rows), k), (CTA_THREADS,), smem_d,

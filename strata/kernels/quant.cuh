@@ -805,8 +805,9 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 }
 
 // x (n_in floats, n_in % 32 == 0) into the limbs at shared offset xo, by the whole CTA (blockDim.x % 32 == 0): a
-// warp's 32 lanes take one group
-__device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int xo) {
+// warp's 32 lanes take one group. `perm`: each 16 elements' limbs stored as a 4 x 4 transpose (element 4b + j at
+// byte 4j + b), the order Q2_0's codes come out of a word in (IQ2_0)
+__device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int xo, bool perm = false) {
     u8* L = SMEM + xo;
     float* sc = (float*)(SMEM + xo + 3 * n_in);
     float* sq = sc + n_in / 32;
@@ -819,9 +820,10 @@ __device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int 
         const int q = (int)rintf(v * pow2f(-s));
         const int l0 = ((q + 128) & 255) - 128, r = (q - l0) >> 8;
         const int l1 = ((r + 128) & 255) - 128, l2 = (r - l1) >> 8;
-        L[i] = (u8)l0;
-        L[n_in + i] = (u8)l1;
-        L[2 * n_in + i] = (u8)l2;
+        const int j = perm ? (i & ~15) | ((i & 3) << 2) | ((i >> 2) & 3) : i;
+        L[j] = (u8)l0;
+        L[n_in + j] = (u8)l1;
+        L[2 * n_in + j] = (u8)l2;
         const int t = half_warp_sum(q);
         const int lane = threadIdx.x & 31;
         if ((lane & 15) == 0) sq[i / 16] = (float)t;
@@ -939,6 +941,22 @@ struct IIQ4_XS {
     }
 };
 
+// Q2_0: part p is one word of 16 two-bit codes, element k at bits 2k; (w >> 2j) & 0x03030303 holds elements j,
+// j + 4, j + 8, j + 12, which is limb word j of the part in xq_prep's permuted layout; v = (c - 1) d, so the part
+// is d 2^s (sum c q - sum q), the second sum the part's 16-element sum
+struct IQ2_0 {
+    enum { QK = 64, BB = 18, NP = 4, EPP = 16, XV = 4 };
+    __device__ static int run(int p, int r) { return VQ2_0::run(p, r); }
+    __device__ static float dot(int o, int p, const u32 (&xl)[3][EPP / 4], int xo, int n_in, int e0) {
+        const u32 w = sm_u32_a2(o + 2 + 4 * p);
+        int d[3] = {0, 0, 0};
+#pragma unroll
+        for (int j = 0; j < 4; j++) dp4a3((w >> (2 * j)) & 0x03030303u, xl, j, d);
+        const int e = e0 + 16 * p;
+        return (h2f((u16)sm_u16(o)) * xq_scale(xo, n_in, e)) * (limbs_f(d) - xq_sum16(xo, n_in, e));
+    }
+};
+
 // group_dot's twin on the limbs at shared offset xo
 template <class V>
 __device__ __noinline__ float4 group_dot_i(int o0, int o1, int o2, int o3, int xo, int n_in, int l, int tpg) {
@@ -985,15 +1003,21 @@ __device__ __noinline__ float4 group_dot_i(int o0, int o1, int o2, int o3, int x
 #define GEMV_INT 1
 #endif
 
-// the formats the integer path takes (gemv.py INT_TYPES); the rest keep the f32 path
+// the formats the integer path takes on x's natural layout (gemv.py INT_TYPES); the rest keep the f32 path
 __device__ __forceinline__ bool int_type(int type) {
     return GEMV_INT && (type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS);
 }
+
+// the x layout the integer path of `type` reads (gemv.py xq_layout): 0 none (the f32 path), 1 natural, 2 permuted
+// in 16s (Q2_0: the expert kernels only)
+__device__ __forceinline__ int xq_layout(int type) { return int_type(type) ? 1 : GEMV_INT && type == T_Q2_0 ? 2 : 0; }
+
 
 __device__ __forceinline__ float4 dot_rows_i(int type, int o0, int o1, int o2, int o3, int xo, int n_in, int l,
                                              int tpg) {
     switch (type) {
         case T_Q8_0: return group_dot_i<IQ8_0>(o0, o1, o2, o3, xo, n_in, l, tpg);
+        case T_Q2_0: return group_dot_i<IQ2_0>(o0, o1, o2, o3, xo, n_in, l, tpg);
         case T_Q4_K: return group_dot_i<IQ45_K<false>>(o0, o1, o2, o3, xo, n_in, l, tpg);
         case T_Q5_K: return group_dot_i<IQ45_K<true>>(o0, o1, o2, o3, xo, n_in, l, tpg);
         case T_Q6_K: return group_dot_i<IQ6_K>(o0, o1, o2, o3, xo, n_in, l, tpg);
@@ -1002,6 +1026,14 @@ __device__ __forceinline__ float4 dot_rows_i(int type, int o0, int o1, int o2, i
     float4 r;
     r.x = r.y = r.z = r.w = __int_as_float(0x7fc00000);
     return r;
+}
+
+// rows o0..o3 against x: the integer path on the limbs at xo when they are in the layout `type` reads (lay, 0:
+// none made), else the f32 path
+__device__ __forceinline__ float4 dot_rows_x(int type, int lay, int o0, int o1, int o2, int o3, const float* x, int xo,
+                                             int n_in, int l, int tpg) {
+    return lay != 0 && xq_layout(type) == lay ? dot_rows_i(type, o0, o1, o2, o3, xo, n_in, l, tpg)
+                                              : dot_rows(type, o0, o1, o2, o3, x, n_in, l, tpg);
 }
 
 // ---- staging: up to 4 byte ranges of global memory into shared memory --------------------------------------
