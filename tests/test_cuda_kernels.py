@@ -147,8 +147,8 @@ def emu_kernels(request, tmp_path_factory):
 @pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.gpu)])
 def rig(request, monkeypatch):
     """The GPU's rig, or (tests marked both_rigs) the CPU emulator's, which gives the wrappers 3 resident CTAs."""
-    r = Rig(*request.getfixturevalue("gpu")) if request.param == "gpu" else \
-        EmuRig(request.getfixturevalue("emu_kernels"), monkeypatch)
+    r = EmuRig(request.getfixturevalue("emu_kernels"), monkeypatch) if request.param == "emu" else \
+        Rig(*request.getfixturevalue("gpu"))
     yield r
     r.close()
 
@@ -814,13 +814,22 @@ def test_ple_mix(rig):
 
 # ---- GEMM (the batched step): every format against float64 and against the GEMV row by row ---------------
 
+def on_rigs(cases, emu_too):
+    """(rig, *case) parameters: each case on the GPU, and on the emulator where emu_too(case) holds."""
+    out = []
+    for c in cases:
+        name = "-".join(getattr(v, "name", str(v)) for v in c)
+        out.append(pytest.param("gpu", *c, marks=pytest.mark.gpu, id="gpu-" + name))
+        if emu_too(c):
+            out.append(pytest.param("emu", *c, id="emu-" + name))
+    return out
+
+
 # the emulator takes the 3-row buckets (the 70-row ones cost it 25 s a format)
-GEMM_CASES = [(r, qt, t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70) for r in (GPU_RIG, "emu")
-              if r != "emu" or t == 3]
+GEMM_CASES = on_rigs([(QType(qt), t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70)], lambda c: c[1] == 3)
 
 
-@pytest.mark.parametrize("rig,qt,max_rows", GEMM_CASES, indirect=["rig"],
-                         ids=[f"{'emu' if r == 'emu' else 'gpu'}-{QType(q).name}-{t}" for r, q, t in GEMM_CASES])
+@pytest.mark.parametrize("rig,qt,max_rows", GEMM_CASES, indirect=["rig"])
 def test_gemm_formats(rig, qt, max_rows):
     """Y = X W^T over a bucket of max_rows rows with fewer live (n_rows is device data): rows past it untouched,
     every live row within 1e-5 of float64 and of the f32 GEMV of that row; 3xFP16 with per-row scaling is what
@@ -860,9 +869,8 @@ def test_gemm_formats(rig, qt, max_rows):
 
 @pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])
 @pytest.mark.parametrize("rig, n_in, n_out, kernel",       # the emulator takes the short rows (the long: 20-120 s)
-                         [(GPU_RIG, 512, 70, "gemm_jobs64_k64_m64"), ("emu", 512, 70, "gemm_jobs64_k64_m64"),
-                          (GPU_RIG, 10240, 70, "gemm_jobs64_k64_m64"), (GPU_RIG, 6144, 1100, "gemm_jobs64_k64")],
-                         ids=["gpu-k512", "emu-k512", "gpu-k10240", "gpu-k6144_wide"], indirect=["rig"])
+                         on_rigs([(512, 70, "gemm_jobs64_k64_m64"), (10240, 70, "gemm_jobs64_k64_m64"),
+                                  (6144, 1100, "gemm_jobs64_k64")], lambda c: c[0] == 512), indirect=["rig"])
 def test_gemm_dynamic_range(rig, qt, n_in, n_out, kernel):
     """f16 halves hold about 5 decades, so the tile scales each row's k-chunk by a power of two: weight rows from
     1e-7 to 1e3, step rows from 1e-9 to 1e4, a row whose magnitude jumps 1e6 between k-chunks, one with zero

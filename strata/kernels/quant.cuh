@@ -522,6 +522,19 @@ __device__ __forceinline__ float q6_k_scale(int o, int p, int k) {
     return (float)(i8)SMEM[o + 192 + 8 * (p >> 2) + 2 * k + ((8 * (p & 3)) >> 4)];
 }
 
+// Q6_K part p: the sum over its four scale groups k (runs 2k, 2k + 1) of d scale_k f(k, codes of the two runs), the
+// frame the f32 and the integer paths share
+template <class Fk>
+__device__ __forceinline__ float q6_k_part(int o, int p, Fk f) {
+    u32 q[4][2];
+    float d;
+    q6_k_codes(o, p, q, d);
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) acc += (d * q6_k_scale(o, p, k)) * f(k, q[k]);
+    return acc;
+}
+
 struct VQ2_0 {   // part: the 16 codes of one word (element k at bits 2k); v = (c - 1) d
     enum { QK = 64, BB = 18, NP = 4, EPP = 16, G = 1, HAS_B = 0, IS_FLOAT = 0 };
     __device__ static int run(int p, int r) { return 16 * p + 4 * r; }
@@ -616,20 +629,14 @@ struct VQ6_K {   // parts as FQ6_K (block 210 B, 2-aligned); 4 bytes of 6-bit co
     enum { QK = 256, BB = 210, NP = 8, EPP = 32, G = 4, HAS_B = 0, IS_FLOAT = 0 };
     __device__ static int run(int p, int r) { return FQ6_K::run(p, r); }
     __device__ static float dot(int o, int p, const float* xv, const float*, u32 mg) {
-        u32 q[4][2];
-        float d;
-        q6_k_codes(o, p, q, d);
-        float acc = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
+        return q6_k_part(o, p, [&](int k, const u32 (&q)[2]) {
             float s = 0.0f;
 #pragma unroll
             for (int t = 0; t < 2; t++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) s = fmaf(ubyte(q[k][t], i, 32.0f), xv[8 * k + 4 * t + i], s);
-            acc += (d * q6_k_scale(o, p, k)) * s;
-        }
-        return acc;
+                for (int i = 0; i < 4; i++) s = fmaf(ubyte(q[t], i, 32.0f), xv[8 * k + 4 * t + i], s);
+            return s;
+        });
     }
 };
 
@@ -907,18 +914,12 @@ struct IQ6_K {
     enum { QK = 256, BB = 210, NP = 8, EPP = 32, XV = 2 };
     __device__ static int run(int p, int r) { return FQ6_K::run(p, r); }
     __device__ static float dot(int o, int p, const u32 (&xl)[3][EPP / 4], int xo, int n_in, int e0) {
-        u32 q[4][2];
-        float d;
-        q6_k_codes(o, p, q, d);
-        float acc = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
+        return q6_k_part(o, p, [&](int k, const u32 (&q)[2]) {
             int s[3] = {0, 0, 0};
 #pragma unroll
-            for (int t = 0; t < 2; t++) dp4a3(((q[k][t] | 0x80808080u) - 0x20202020u) ^ 0x80808080u, xl, 2 * k + t, s);
-            acc += ((d * q6_k_scale(o, p, k)) * xq_scale(xo, n_in, e0 + 128 * (p >> 2) + 32 * k)) * limbs_f(s);
-        }
-        return acc;
+            for (int t = 0; t < 2; t++) dp4a3(((q[t] | 0x80808080u) - 0x20202020u) ^ 0x80808080u, xl, 2 * k + t, s);
+            return xq_scale(xo, n_in, e0 + 128 * (p >> 2) + 32 * k) * limbs_f(s);
+        });
     }
 };
 
@@ -989,12 +990,7 @@ __device__ __noinline__ float4 group_dot_i(int o0, int o1, int o2, int o3, int x
         if (o2 >= 0) a2 += V::dot(o2 + bo, p, xl, xo, n_in, e0);
         if (o3 >= 0) a3 += V::dot(o3 + bo, p, xl, xo, n_in, e0);
     }
-    float4 r;
-    r.x = a0;
-    r.y = a1;
-    r.z = a2;
-    r.w = a3;
-    return r;
+    return make_float4(a0, a1, a2, a3);
 }
 
 // GEMV_INT (default 1): gemv_jobs takes these formats on the integer path; 0 builds the f32 path for every format
