@@ -22,6 +22,7 @@ import numpy as np
 from strata.cuda.arena import ALIGN, Arena, DevMat
 from strata.cuda.driver import HostBuffer
 from strata.cuda.weights import device_rows
+from strata.kernels.build import options
 from strata.kernels.gemv import device_row_bytes
 from strata.quant.formats import QType
 
@@ -41,11 +42,12 @@ def why_not() -> str | None:
 def build(module: str, cache: Path) -> ctypes.CDLL:
     """strata/kernels/<module>.cu compiled for the CPU (cached by the hash of every source it can include)."""
     src = KERNELS / f"{module}.cu"
-    h = hashlib.sha256(HEADER.read_bytes())
+    defines = [o for o in options() if o.startswith("-D")]      # $STRATA_KERNEL_DEFINES, as NVRTC gets them
+    h = hashlib.sha256(HEADER.read_bytes() + " ".join(defines).encode())
     for p in sorted(KERNELS.glob("*.cu*")):
         h.update(p.read_bytes())
     so = cache / f"{module}-{h.hexdigest()[:16]}.so"
-    base = ["g++", "-std=c++20", "-w", "-include", str(HEADER), "-I", str(KERNELS)]
+    base = ["g++", "-std=c++20", "-w", *defines, "-include", str(HEADER), "-I", str(KERNELS)]
     pre = subprocess.run(base + ["-E", "-x", "c++", str(src)], capture_output=True, text=True)
     if pre.returncode:
         raise RuntimeError(f"preprocessing {src.name} for the CPU emulator failed:\n{pre.stderr[-4000:]}")

@@ -16,6 +16,7 @@ import numpy as np
 
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need, resident_ctas
+from strata.kernels.build import define
 from strata.quant.formats import QType, row_bytes
 
 # ggml type -> (elements per block, bytes per block, parts per block), as the V* structs in quant.cuh
@@ -31,7 +32,8 @@ FLOAT_TYPES = frozenset((QType.F32, QType.F16, QType.BF16))
 CTA_THREADS = 256
 CTA_WARPS = CTA_THREADS // 32
 TILE_MAX = 46 * 1024          # bytes one CTA stages (both matrices of a GLU pair), 16-byte chunks
-GEMV_STAGES = 3               # gemv_jobs' shared buffers a CTA cycles its tiles through (quant.cuh GEMV_STAGES)
+# gemv_jobs' shared buffers a CTA cycles its tiles through (quant.cuh GEMV_STAGES, >= 2; a bench variant may set it)
+GEMV_STAGES = define("GEMV_STAGES", 3)
 GEMV_SMEM_MAX = 113 * 1024    # gemv_jobs' shared bytes that keep 2 CTAs a multiprocessor (228 KB, 1 KB a CTA kept)
 GEMV_TILE_MAX = 36 * 1024     # so GEMV_STAGES of gemv_jobs' tiles fit GEMV_SMEM_MAX
 # the formats gemv_jobs takes on the integer path (quant.cuh int_type: x in three 8-bit limbs, dp4a)
