@@ -40,7 +40,8 @@ def why_not() -> str | None:
 
 
 def build(module: str, cache: Path) -> ctypes.CDLL:
-    """strata/kernels/<module>.cu compiled for the CPU (cached by the hash of every source it can include)."""
+    """strata/kernels/<module>.cu compiled for the CPU with $STRATA_KERNEL_DEFINES, as NVRTC builds it (cached by
+    the hash of every source it can include and of those defines)."""
     src = KERNELS / f"{module}.cu"
     defines = [o for o in options() if o.startswith("-D")]      # $STRATA_KERNEL_DEFINES, as NVRTC gets them
     h = hashlib.sha256(HEADER.read_bytes() + " ".join(defines).encode())
