@@ -22,7 +22,6 @@
 
 #define __global__
 #define __device__
-#define __host__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
@@ -46,18 +45,12 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
-struct alignas(16) int4 {
-    int x, y, z, w;
-};
 
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
-inline float2 make_float2(float x, float y) { return float2{x, y}; }
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
-inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 
 namespace emu {
 struct Cta {
-    dim3 block, grid;
+    dim3 block;
     std::unique_ptr<std::barrier<>> bar;
     std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
     std::vector<std::uint64_t> slots;     // 32 per warp: the shuffle exchange
@@ -98,16 +91,9 @@ inline T emu_shfl(T v, int src_lane) {
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, (emu_linear_tid() & 31) ^ m); }
 template <class T>
-inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
-template <class T>
 inline T __shfl_up_sync(unsigned, T v, int d) {
     const int l = emu_linear_tid() & 31;
     return emu_shfl(v, l >= d ? l - d : l);
-}
-template <class T>
-inline T __shfl_down_sync(unsigned, T v, int d) {
-    const int l = emu_linear_tid() & 31;
-    return emu_shfl(v, l + d < 32 ? l + d : l);
 }
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -137,13 +123,6 @@ template <class T>
 inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-template <class T>
-inline T atomicMax(T* p, T v) {
-    std::atomic_ref<T> a(*p);
-    T old = a.load();
-    while (old < v && !a.compare_exchange_weak(old, v)) {}
-    return old;
-}
 
 // ---- the tensor-core path's PTX (gemm.cuh), by the warp's lanes exchanging their fragments --------------------
 
@@ -216,7 +195,6 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
             for (unsigned bx = 0; bx < grid.x; bx++) {
                 Cta c;
                 c.block = block;
-                c.grid = grid;
                 c.bar = std::make_unique<std::barrier<>>(nt);
                 for (int w = 0; w < nw; w++)
                     c.warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, nt - 32 * w)));

@@ -32,10 +32,22 @@ __device__ __forceinline__ int tile_job(const GemvJob* __restrict__ jobs, int n_
     return j;
 }
 
-// tile t's weight rows (both matrices of a GLU pair) as the ranges of buffer `buf`
-__device__ __forceinline__ Ranges tile_ranges(const GemvJob& J, int t, int base) {
+// tile t's first row and row count
+__device__ __forceinline__ void tile_rows(const GemvJob& J, int t, int& row0, int& nrows) {
     const int RT = (int)blockDim.x / geom_tpg(J.geom) * geom_rr(J.geom);
-    const int row0 = (t - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
+    row0 = (t - J.cta0) * RT;
+    nrows = min(RT, J.n_out - row0);
+}
+
+// whether job J reads x's integer limbs (quant.cuh int_type; either matrix of a GLU pair)
+__device__ __forceinline__ bool reads_xq(const GemvJob& J) {
+    return int_type(J.type) || (J.w2 != nullptr && int_type(J.type2));
+}
+
+// tile t's weight rows (both matrices of a GLU pair) as the ranges of the buffer at shared offset `base`
+__device__ __forceinline__ Ranges tile_ranges(const GemvJob& J, int t, int base) {
+    int row0, nrows;
+    tile_rows(J, t, row0, nrows);
     const bool glu = J.w2 != nullptr;
     return ranges2(J.w + (size_t)row0 * J.row_bytes, nrows * J.row_bytes,
                    glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr, glu ? nrows * J.row_bytes2 : 0, base);
@@ -66,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
     const float* xq_of = nullptr;                        // the x they hold
     if ((int)blockIdx.x < n_tiles) {
         const GemvJob& J = jobs[tile_job(jobs, n_jobs, blockIdx.x)];
-        if (int_type(J.type) || (J.w2 != nullptr && int_type(J.type2))) {
+        if (reads_xq(J)) {
             xq_prep(J.x, J.n_in, xo);
             xq_of = J.x;
         }
@@ -79,12 +91,12 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
         tile_issue(jobs, n_jobs, n_tiles, t + (GEMV_STAGES - 1) * gridDim.x, k + GEMV_STAGES - 1, stage_bytes);
 
         const GemvJob J = jobs[tile_job(jobs, n_jobs, t)];
-        const int tpg = geom_tpg(J.geom), rr = geom_rr(J.geom), G = blockDim.x / tpg, RT = G * rr;
-        const int row0 = (t - J.cta0) * RT, nrows = min(RT, J.n_out - row0);
+        const int tpg = geom_tpg(J.geom), rr = geom_rr(J.geom), G = blockDim.x / tpg;
+        int row0, nrows;
+        tile_rows(J, t, row0, nrows);
         const bool glu = J.w2 != nullptr;
         const Ranges R = tile_ranges(J, t, (k % GEMV_STAGES) * stage_bytes);
-        const bool ia = int_type(J.type), ib = glu && int_type(J.type2);
-        if ((ia || ib) && J.x != xq_of) {                // uniform over the CTA: every thread reads the same job
+        if (reads_xq(J) && J.x != xq_of) {               // uniform over the CTA: every thread reads the same job
             xq_prep(J.x, J.n_in, xo);
             xq_of = J.x;
             __syncthreads();
@@ -98,13 +110,12 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
             o[q] = ok ? range_off(R, 0) + r * J.row_bytes : -1;
             o2[q] = ok && glu ? range_off(R, 1) + r * J.row_bytes2 : -1;
         }
-        float4 a = ia ? dot_rows_i(J.type, o[0], o[1], o[2], o[3], xo, J.n_in, l, tpg)
-                      : dot_rows(J.type, o[0], o[1], o[2], o[3], J.x, J.n_in, l, tpg);
+        // the limbs are in the natural layout (1) whenever a format of this job reads them
+        float4 a = dot_rows_x(J.type, 1, o[0], o[1], o[2], o[3], J.x, xo, J.n_in, l, tpg);
         a = group_sum(a, tpg, red);
         float4 b = a;
         if (glu) {
-            b = ib ? dot_rows_i(J.type2, o2[0], o2[1], o2[2], o2[3], xo, J.n_in, l, tpg)
-                   : dot_rows(J.type2, o2[0], o2[1], o2[2], o2[3], J.x, J.n_in, l, tpg);
+            b = dot_rows_x(J.type2, 1, o2[0], o2[1], o2[2], o2[3], J.x, xo, J.n_in, l, tpg);
             b = group_sum(b, tpg, red);
         }
         if (l == 0) {

@@ -120,7 +120,7 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
 def warps_per_row(qt: int, n_in: int, n_out: int = 5) -> int:
     """Warps sharing one row in the geometry of an n_out x n_in matrix (1 when a row group fits in a warp)."""
     qt = QType(qt)
-    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), tile_max=tile_max(xq_bytes(qt, n_in)))
+    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), tile_max=ring_tile_max(xq_bytes(qt, n_in)))
     return max(1, g.tpg // 32)
 
 
@@ -164,7 +164,7 @@ def launch_xq_bytes(jobs: list[Job]) -> int:
     return max((xq_bytes(m.qtype, m.n_in) for j in jobs for m in (j.w, j.w2) if m is not None), default=0)
 
 
-def tile_max(xq: int) -> int:
+def ring_tile_max(xq: int) -> int:
     """The largest tile gemv_jobs' ring takes beside `xq` bytes of x limbs, 2 CTAs a multiprocessor."""
     return min(GEMV_TILE_MAX, (GEMV_SMEM_MAX - xq) // GEMV_STAGES - 64)
 
@@ -198,7 +198,7 @@ def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> 
         qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) \
             else j.w2.qtype
         g = geom or geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
-                             tile_max=tile_max(xq))
+                             tile_max=ring_tile_max(xq))
         r["cta0"], r["geom"] = cta, g.word
         nrows = min(g.rows, j.w.n_out)
         smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))

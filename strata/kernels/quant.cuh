@@ -3,9 +3,9 @@
 // THE F32 PATH (the GPU's correctness contract): a weight is dequantized to float32 in registers exactly as
 // strata.quant.dequantize does (w = a*q + b per group), multiplied by the float32 activation and accumulated in
 // float32. Nothing is rounded to a lower-precision activation format, so y matches dequantize(W) @ x (float64)
-// to float32 accumulation error (~1e-7 relative), not llama.cpp's vec_dot_type rounding. The dense GEMVs'
-// integer path (below: Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS in gemv_jobs) keeps 23 bits of each group of 32 of x,
-// not llama.cpp's 8: 2-5e-7 relative on the tests' matrices, the f32 path's 1-2e-7.
+// to float32 accumulation error (~1e-7 relative), not llama.cpp's vec_dot_type rounding. The GEMVs' integer
+// path (below: Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and Q2_0 in the expert kernels) keeps 23 bits of each group of 32
+// of x, not llama.cpp's 8: 2-9e-7 relative on the tests' matrices, the f32 path's 1-2e-7.
 //
 // A block is split into NP "parts" of EPP elements; a lane takes whole parts, so a row of n blocks is n*NP
 // independent work items spread over the lanes of a warp (or of several warps, `lanes` below). A part holds G
@@ -784,7 +784,7 @@ __device__ __forceinline__ float4 dot_rows(int type, int o0, int o1, int o2, int
     return r;
 }
 
-// ---- the integer path (gemv_jobs): x as three 8-bit limbs of a 23-bit integer, weights as int8, dp4a ---------
+// ---- the integer path (gemv_jobs, moe_gate_up, moe_down): x as three 8-bit limbs of a 23-bit integer, dp4a ----
 //
 // Decoding a weight to float32 costs 3-5 instructions (extract, convert, FFMA), which left the GEMVs of the 4-bit
 // formats bound by the instruction issue rather than by HBM. Here each group of 32 elements of x is scaled by a power
@@ -797,9 +797,8 @@ __device__ __forceinline__ float4 dot_rows(int type, int o0, int o1, int o2, int
 //
 // The limbs live in shared memory after gemv_jobs' tile ring, made once a CTA for each x (xq_prep): L0, L1, L2
 // (n_in bytes each), then the groups' 2^s (n_in / 32 floats), then each 16 elements' sum of q (n_in / 16 floats:
-// the K-quants' min terms).
-
-__device__ __forceinline__ int xq_bytes(int n_in) { return (3 * n_in + n_in / 32 * 4 + n_in / 16 * 4 + 15) & ~15; }
+// the K-quants' min terms, Q2_0's offset); gemv.py xq_bytes sizes it. The expert kernels (moe.cu) make the same
+// after their tile, in the layout their format reads (xq_layout).
 
 __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 #ifdef __CUDACC__
@@ -838,7 +837,8 @@ __device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int 
     }
 }
 
-// a group's three limb sums -> the float32 of d[0] + 2^8 d[1] + 2^16 d[2] (one rounding: the f32 path's own)
+// a group's three limb sums -> d[0] + 2^8 d[1] + 2^16 d[2] in float32 (rounded at float32's precision, as the
+// f32 path's sums are)
 __device__ __forceinline__ float limbs_f(const int (&d)[3]) { return fmaf((float)(d[1] + 256 * d[2]), 256.0f, (float)d[0]); }
 
 // d[k] += the dot product of w's four int8 with limb k of run r
