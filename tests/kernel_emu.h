@@ -171,6 +171,48 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
     __syncwarp();
 }
 
+// wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by
+// the 128 threads of a warpgroup: each thread's accumulator fragment is d[4j + e] = D[16 w + g + 8 (e >> 1)][8 j
+// + 2 t + (e & 1)] (w its warp in the group, g = lane / 4, t = lane % 4). Kept until the wait, as the hardware may:
+// the shared operands are read and d written there, so a tile that overwrote its operands or read d before the
+// wait computes something else here too. Descriptor: start, leading (k-adjacent core matrices) and stride (8-row
+// groups) byte offsets >> 4 in bits 0, 16, 32; any swizzle or base offset reads as NaN.
+namespace emu {
+struct WgOp {
+    float* d;
+    int n;
+    std::uint64_t a, b;
+    int acc;
+};
+inline thread_local std::vector<WgOp> wg_issued;
+}  // namespace emu
+
+inline void emu_wgmma(float* d, int n, std::uint64_t a, std::uint64_t b, int acc) {
+    emu::wg_issued.push_back({d, n, a, b, acc});
+}
+
+inline float emu_wg_elem(std::uint64_t desc, int r, int k) {
+    if (desc >> 49) return NAN;
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4,
+                   sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    unsigned short h;
+    std::memcpy(&h, emu_smem() + start + (r >> 3) * sbo + (k >> 3) * lbo + (r & 7) * 16 + (k & 7) * 2, 2);
+    return emu_half_to_float(h);
+}
+
+inline void emu_wgmma_commit_wait() {
+    const int t = emu_linear_tid() & 127, w = t >> 5, g = (t & 31) >> 2, q = t & 3;
+    for (const emu::WgOp& op : emu::wg_issued)
+        for (int j = 0; j < op.n / 8; j++)
+            for (int e = 0; e < 4; e++) {
+                const int m = 16 * w + g + 8 * (e >> 1), n = 8 * j + 2 * q + (e & 1);
+                float s = op.acc ? op.d[4 * j + e] : 0.0f;
+                for (int k = 0; k < 16; k++) s += emu_wg_elem(op.a, m, k) * emu_wg_elem(op.b, n, k);
+                op.d[4 * j + e] = s;
+            }
+    emu::wg_issued.clear();
+}
+
 // f16 bits -> f32, exactly (common.cuh h2f's twin of cvt.f32.f16)
 inline float emu_half_to_float(unsigned short h) {
     const unsigned s = (h >> 15) & 1u, e = (h >> 10) & 31u, m = h & 1023u;

@@ -753,6 +753,63 @@ def test_experts(rig, qt):
 
 
 @both_rigs
+@pytest.mark.parametrize("qt,rows", [(QType.Q2_0, 40), (QType.Q6_K, 40), (QType.Q4_K, 9)],
+                         ids=["Q2_0-40", "Q6_K-40", "Q4_K-9"])
+def test_grouped_experts(rig, qt, rows):
+    """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in
+    tiles (64 pairs at 40 rows, 16 at 9), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
+    expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against float64."""
+    rng = np.random.default_rng(int(qt) + rows)
+    E, Fn, n_exp, k = 256, 256, 6, 4
+    cfg = cfg_tiny(n_embd=E, n_ff_exp=Fn, n_expert=n_exp, n_expert_used=k)
+    sc = lambda n: 1 / (64 * np.sqrt(n))
+    g_raw, u_raw, d_raw = (random_matrix(qt, n_exp * Fn, E, rng, sc(E)), random_matrix(qt, n_exp * Fn, E, rng, sc(E)),
+                           random_matrix(qt, n_exp * E, Fn, rng, sc(Fn)))
+    G, U, Dn = (dequantize(g_raw, qt).reshape(n_exp, Fn, E).astype(np.float64),
+                dequantize(u_raw, qt).reshape(n_exp, Fn, E).astype(np.float64),
+                dequantize(d_raw, qt).reshape(n_exp, E, Fn).astype(np.float64))
+    gm, um, dm = (rig.mat("gate", g_raw, qt, Fn, E, n_exp), rig.mat("up", u_raw, qt, Fn, E, n_exp),
+                  rig.mat("down", d_raw, qt, E, Fn, n_exp))
+    bank = kmoe.ExpertBank(gm, 0, um, 0, dm, 0, (gm.mat_bytes, um.mat_bytes, dm.mat_bytes))
+    slot_v = np.array([2, 0, -1, 5, 1, 3], np.int32)          # expert 2 on the host
+    ids_v = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    X = rng.standard_normal((rows, E)).astype(F32)
+    bn = kmoe.tile_bn(rows, k, n_exp)
+    assert bn == (64 if rows == 40 else 16)
+    nt = kmoe.max_tiles(rows, k, n_exp, bn)
+    ids, slot_of = rig.buf("ids", (rows, k), np.int32, ids_v), rig.buf("slot_of", (n_exp,), np.int32, slot_v)
+    step = rig.buf("step", (STEP_N,), np.int32, step_words())
+    pair_tok, pair_of = rig.buf("pair_tok", (rows * k,), np.int32), rig.buf("pair_of", (rows * k,), np.int32)
+    tiles, n_tiles = rig.buf("tiles", (4 * nt,), np.int32), rig.buf("n_tiles", (1,), np.int32)
+    job, x = rig.buf("job", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), rig.buf("x", (rows, E), value=X)
+    h, out = rig.buf("h", (rows * k, kmoe.padded_ff(cfg))), rig.buf("out", (rows * k, E))
+    rig.commit()
+    w = step_words()
+    w[3] = rows                                                # STEP_T: the step's rows
+    step.upload(w)
+    grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of, tiles,
+                            n_tiles, rows, bn)
+    gu, dn = kmoe.grouped_launches(lambda n: rig.k.fn("moe", n), "experts", cfg, job, bank, tiles, n_tiles, x,
+                                   pair_tok, h, out, rows, bn)
+    rig.poison(h, out)
+    rig.run(grp, gu, dn)
+    po, pt, got = pair_of.download(), pair_tok.download(), out.download()
+    live = po[po >= 0]
+    assert np.array_equal(np.sort(live), np.arange(len(live))), "pairs are not a permutation"
+    for t in range(rows):
+        for j in range(k):
+            e, p = ids_v[t, j], po[t * k + j]
+            if slot_v[e] < 0:
+                assert p == -1
+                continue
+            assert pt[p] == t
+            s = slot_v[e]
+            ref = expert_ffn(G[s], U[s], Dn[s], X[t].astype(np.float64))
+            assert rel(got[p], ref) <= TOL, f"row {t} expert {e}: {rel(got[p], ref):.2e}"
+    assert np.isnan(got[len(live):]).all(), "a pair past the step's was written"
+
+
+@both_rigs
 def test_combine_write_rms(rig):
     rng = np.random.default_rng(8)
     cfg = cfg_tiny(n_embd=300, n_expert_used=5, hc=3)
@@ -825,8 +882,10 @@ def on_rigs(cases, emu_too):
     return out
 
 
-# the emulator takes the 3-row buckets (the 70-row ones cost it 25 s a format)
-GEMM_CASES = on_rigs([(QType(qt), t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70)], lambda c: c[1] == 3)
+# buckets of 3, 70 and 150 rows: BN = 16, the 128 x 64 tiles and the 64 x 128 ones (gemm.py shape_for); the emulator
+# takes the 3-row buckets and the wide tile in one format per k-chunk (a 70-row bucket costs it 25 s a format)
+GEMM_CASES = on_rigs([(QType(qt), t) for qt in sorted(kgemv.KERNEL_TYPES) for t in (3, 70, 150)],
+                     lambda c: c[1] == 3 or (c[1] == 150 and c[0] in (QType.Q4_K, QType.Q6_K)))
 
 
 @pytest.mark.parametrize("rig,qt,max_rows", GEMM_CASES, indirect=["rig"])
@@ -838,7 +897,7 @@ def test_gemm_formats(rig, qt, max_rows):
     rng = np.random.default_rng(int(qt) * 11 + max_rows)
     qk = kgemv.BLOCKS[qt][0]
     n_in = 8 * 40 + 5 if qt in kgemv.FLOAT_TYPES else qk * max(3, 640 // qk)   # not a multiple of the k-chunk
-    n_out, live = (101 if max_rows < 64 else 1100), max_rows - 1     # 1100: the 128-row tiles, a partial last
+    n_out, live = (101 if max_rows < 64 else 1100), max_rows - 1     # 1100: the wide tiles, a partial last
     raw = random_matrix(qt, n_out, n_in, rng)
     ldx = (n_in + 3) // 4 * 4
     X = np.zeros((max_rows, ldx), F32)
@@ -852,8 +911,9 @@ def test_gemm_formats(rig, qt, max_rows):
     table = kgemm.job_table("jobs", 1, rig.A.reserve)
     gv_table = kgemv.job_table("gv", len(picks), rig.A.reserve)
     rig.commit()
-    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table,
-                               [kgemm.GemmJob(m, xb, y, ldx=ldx)], nr, max_rows)
+    jobs = [kgemm.GemmJob(m, xb, y, ldx=ldx)]
+    assert kgemm.gemm_plan(jobs, max_rows)[3].startswith("gemm_jobs128") == (max_rows == 150 and kgemm.WIDE_N == 1)
+    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table, jobs, nr, max_rows)
     gemv = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", gv_table, [Job(m, a, b) for a, b in gv])
     rig.poison(y)
     rig.run(launch, gemv)

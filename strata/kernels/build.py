@@ -70,8 +70,14 @@ def cache_key(name: str, arch: int) -> str:
     h.update(source_text(name).encode())
     for src, hname in _headers():
         h.update(hname + b"\0" + src)
-    h.update(f"sm_{arch}|{'|'.join(options())}|nvrtc {nvrtc_version()}".encode())
+    h.update(f"{target(arch)}|{'|'.join(options())}|nvrtc {nvrtc_version()}".encode())
     return h.hexdigest()[:24]
+
+
+def target(arch: int) -> str:
+    """NVRTC's target for a device of compute capability arch (90 for 9.0): Hopper's own sm_90a, whose cubins run
+    on 9.0 devices only and have its warpgroup MMA (gemm.cuh's tile uses it there), else sm_<arch>."""
+    return "sm_90a" if arch == 90 else f"sm_{arch}"
 
 
 def compile_cubin(name: str, arch: int) -> bytes:
@@ -88,7 +94,7 @@ def compile_cubin(name: str, arch: int) -> bytes:
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         return buf.decode(errors="replace").rstrip("\0 \n")
 
-    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(o.encode() for o in options())]
+    opts = [f"--gpu-architecture={target(arch)}".encode(), *(o.encode() for o in options())]
     try:
         _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"nvrtcCompileProgram({name}.cu, sm_{arch})", log)
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")

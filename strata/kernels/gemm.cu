@@ -33,9 +33,10 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
                                            m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy);
 }
 
-// BN = 64 (prefill chunks) and BN = 16 (a few rows: decode batches, small experts' groups), each at BK 64 and 128,
-// without and with GLU jobs (gemm.py picks the _glu kernel for a launch that has one); the plain BN = 64 tiles
-// take 128 weight rows, or 64 (_m64) over matrices with few outputs (gemm.py tile_bm)
+// BN = 128 (prefill chunks' plain jobs: 64 weight rows a tile), BN = 64 (GLU jobs, or GEMM_WIDE_N=0) and BN = 16
+// (a few rows: decode batches, small experts' groups), each at BK 64 and 128, without and with GLU jobs (gemm.py
+// picks the _glu kernel for a launch that has one); the plain BN = 64 tiles take 128 weight rows, or 64 (_m64) over
+// matrices with few outputs (gemm.py tile_bm)
 #define GEMM_JOBS(NAME, GLU, BK, MT, NT, WM, WN)                                                              \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(GLU, BK, MT))                        \
         NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows) {                  \
@@ -47,6 +48,8 @@ GEMM_JOBS(gemm_jobs64_k64, false, 64, 4, 4, 2, 2)
 GEMM_JOBS(gemm_jobs64_k128, false, 128, 4, 4, 2, 2)
 GEMM_JOBS(gemm_jobs64_k64_m64, false, 64, 2, 4, 2, 2)
 GEMM_JOBS(gemm_jobs64_k128_m64, false, 128, 2, 4, 2, 2)
+GEMM_JOBS(gemm_jobs128_k64, false, 64, 4, 4, 1, 4)
+GEMM_JOBS(gemm_jobs128_k128, false, 128, 4, 4, 1, 4)
 GEMM_JOBS(gemm_jobs16_k64_glu, true, 64, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs16_k128_glu, true, 128, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs64_k64_glu, true, 64, 2, 4, 2, 2)

@@ -3,7 +3,7 @@
 // Y[n] = W X[n] for the n < nrows rows of a tile (X rows gathered through xrow when it is set), or
 // Y[n] = silu(W X[n]) * (W2 X[n]) (GLU). A CTA takes a tile of BM weight rows and BN step rows; per k-chunk of
 // BK elements it decodes its weight rows once (the GEMV's decoders) into shared memory as f16 halves and applies
-// them to all BN rows with mma.sync m16n8k16 in 3xFP16: each f32 operand is split as hi = f16(v),
+// them to all BN rows with wgmma (Hopper) or mma.sync m16n8k16 in 3xFP16: each f32 operand is split as hi = f16(v),
 // lo = f16(v - hi), and hi*hi + hi*lo + lo*hi keep about 22 bits of every product (what 3xTF32 kept, at twice the
 // tensor rate and a third of the fragment instructions: ldmatrix, no per-load split), which is what keeps the
 // batched path within 1e-5 of the f32 GEMV (a plain f16 or TF32 product would be ~1e-3).
@@ -19,15 +19,21 @@
 #include "quant.cuh"
 
 // BK, the k-chunk: a whole number of the formats' part groups: 128 for Q6_K (groups of 128), 64 for the others,
-// whose smaller tiles let more CTAs share a multiprocessor (gemm.py picks per launch). Shared rows are BK + 4
-// floats' bytes (the halves and 16 bytes of padding): ldmatrix's 8 rows of a fragment then hit distinct banks.
+// whose smaller tiles let more CTAs share a multiprocessor (gemm.py picks per launch). A tile's rows take BK + 4
+// floats' bytes of shared memory each (Layout: how the two paths place the halves in them).
 #define GM_THREADS 128
 // Resident CTAs a multiprocessor is asked to fit (registers): the tile has no load/compute overlap of its own, so
 // other CTAs' chunks are what hides a chunk's loads. 4 fits the one-m16 plain tiles at k-chunks of 64; the rest get
 // 3 (168 registers: the 128-row and GLU tiles spill a little there, and measured faster so than at 2 without
 // spills: attn_qkv at 4096 rows 3.33 against 3.56 ms; the 64-row plain tile at 4 spilled and lost, hc down 0.84
 // against 0.79 at 3; H200, 2026-12-03).
+// GEMM_MIN_CTAS=n in $STRATA_KERNEL_DEFINES asks n of every tile (the wgmma tiles' GLU ones spill 192-324 bytes at 3:
+// whether 2 without spills is faster is for bench/gpu_gemm.sh to say).
+#ifdef GEMM_MIN_CTAS
+#define GM_MIN_CTAS(GLU, BK, MT) GEMM_MIN_CTAS
+#else
 #define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 1 ? 3 : 4)
+#endif
 
 __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {     // lo in the low half: the lower k
 #ifdef __CUDACC__
@@ -109,14 +115,126 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #endif
 }
 
-// A row of a tile in shared memory holds BK + 4 floats' bytes: its hi halves in bytes [0, 2 BK), its lo halves in
-// [2 BK, 4 BK); the 16 bytes of padding put ldmatrix's 8 rows of a fragment on distinct banks.
+// GEMM_WGMMA (default 1): on Hopper (an sm_90a build: strata/kernels/build.py compiles for it on the H200) the
+// tile's products run as warpgroup MMAs, wgmma.mma_async m64nNk16 with both operands read by the tensor cores from
+// shared memory: the CTA's 128 threads are one warpgroup, each 64 weight rows of the tile one wgmma per k-step and
+// half-product, N = the tile's step rows. Against mma.sync this takes the operand fragments (ldmatrix) and the
+// three MMAs of every 16 x 8 x 16 product out of the warps' issue slots, which the decode of the next tiles then
+// has (the mma.sync tile is issue- and shared-memory-bound: bench/GPU_NOTES.md). Elsewhere (other GPUs, or
+// GEMM_WGMMA=0 for the comparison) the mma.sync tile. The CPU emulator runs the wgmma path (GEMM_WGMMA=0: the other).
+#ifndef GEMM_WGMMA
+#define GEMM_WGMMA 1
+#endif
+#if GEMM_WGMMA && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDACC__))
+#define GM_WG 1
+#else
+#define GM_WG 0
+#endif
+
+// Where a tile's element (r, k) of a k-chunk lives in shared memory: the byte offset of its hi half from the tile's
+// start (off), and how much further its lo half is (lo, for a tile of R rows).
+template <int BK>
+struct Layout {
+#if GM_WG
+    // wgmma's K-major layout without swizzle: "core matrices" of 8 rows x 8 halves as 128 contiguous bytes (row
+    // r % 8 at 16 (r % 8)), the k-adjacent ones 128 bytes apart (the descriptor's leading byte offset), an 8-row
+    // group's BK / 8 of them together, 16 BK bytes (the stride byte offset) to the next group; the lo halves of
+    // all R rows after the hi halves. A warp's 8-byte stores of 4-element runs cover each bank twice (no more
+    // than 256 bytes need), and the tensor cores read whole 128-byte core matrices.
+    static __device__ __forceinline__ int off(int r, int k) {
+        return (r >> 3) * 16 * BK + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2;
+    }
+    static __device__ __forceinline__ int lo(int R) { return 2 * BK * R; }
+#else
+    // ldmatrix's rows: BK + 4 floats' bytes a row, hi halves then lo halves; the 16 bytes of padding put the 8 rows
+    // of a fragment on distinct banks
+    static __device__ __forceinline__ int off(int r, int k) { return r * (BK + 4) * 4 + 2 * k; }
+    static __device__ __forceinline__ int lo(int) { return 2 * BK; }
+#endif
+};
+
+// the wgmma matrix descriptor of a K-major, unswizzled operand at shared address a (Layout's strides)
+__device__ __forceinline__ u64 wg_desc(u32 a, int bk) {
+    return (u64)((a & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)((16 * bk) >> 4) << 32);
+}
+
+#define WG_4(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3])
+#define WG_OPS16(c) WG_4(c, 0), WG_4(c, 4)
+#define WG_OPS64(c) WG_OPS16(c), WG_4(c, 8), WG_4(c, 12), WG_4(c, 16), WG_4(c, 20), WG_4(c, 24), WG_4(c, 28)
+#define WG_OPS128(c) WG_OPS64(c), WG_4(c, 32), WG_4(c, 36), WG_4(c, 40), WG_4(c, 44), WG_4(c, 48), WG_4(c, 52), \
+    WG_4(c, 56), WG_4(c, 60)
+#define WG_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define WG_REGS64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_REGS128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
+    " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
+    " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// operands: the N / 2 accumulators, then the descriptors and the accumulate flag (scale-d)
+#define WG_ASM(N, NA, NB, NP)                                                                             \
+    "{ .reg .pred p; setp.ne.b32 p, %" #NP ", 0;\n"                                                       \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 " WG_REGS##N ", %" #NA ", %" #NB ", p, 1, 1, 0, 0; }"
+#define WG_CASE(N, NA, NB, NP)                                                                            \
+    if constexpr (N == N_)                                                                                \
+        if constexpr (ACC)                                                                                \
+            asm volatile(WG_ASM(N, NA, NB, NP) : WG_OPS##N("+f") : "l"(a), "l"(b), "r"(1));               \
+        else                                                                                              \
+            asm volatile(WG_ASM(N, NA, NB, NP) : WG_OPS##N("=f") : "l"(a), "l"(b), "r"(0));
+
+// d (N / 2 floats: the m64nN accumulator fragment) = A B^T (+ d when ACC), A 64 x 16 and B N x 16 (K-major) at
+// descriptors a and b, issued asynchronously: d is defined only after wg_commit_wait(). Without ACC the registers'
+// old values are dead to the compiler (outputs only), so they cost nothing while the next chunk decodes.
+template <int N_, bool ACC>
+__device__ __forceinline__ void wg_mma(float* d, u64 a, u64 b) {
+    static_assert(N_ == 16 || N_ == 64 || N_ == 128, "wg_mma: N");
+#ifdef __CUDACC__
+    WG_CASE(16, 8, 9, 10)
+    WG_CASE(64, 32, 33, 34)
+    WG_CASE(128, 64, 65, 66)
+#else
+    emu_wgmma(d, N_, a, b, ACC);
+#endif
+}
+
+// ordinary shared-memory stores made visible to the tensor cores (each writing thread, before the barrier)
+__device__ __forceinline__ void wg_proxy_fence() {
+#ifdef __CUDACC__
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// before a batch of wgmma: the accumulator registers' earlier writes ordered before the MMAs that read them
+__device__ __forceinline__ void wg_fence() {
+#ifdef __CUDACC__
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+// the batch issued since the last commit is complete, its accumulators readable and its shared operands free
+__device__ __forceinline__ void wg_commit_wait() {
+#ifdef __CUDACC__
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#else
+    emu_wgmma_commit_wait();
+#endif
+}
+
+// an accumulator register pinned in place: the compiler may not move its reads or writes across this point (the
+// asm around a wgmma names its registers, a wait does not)
+__device__ __forceinline__ void wg_pin(float& r) {
+#ifdef __CUDACC__
+    asm volatile("" : "+f"(r)::"memory");
+#endif
+}
 
 // The PPT consecutive threads that hold one row's values (PPT a power of 2 <= 32 dividing GM_THREADS, every
-// thread of the CTA calling): the row's shift from their maximum |v|, then each thread's 4-element runs at
-// element offsets pos(r) split into the row's halves. Returns the shift.
-template <int PPT, int NR, class Pos>
-__device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* row, int bk2, Pos pos) {
+// thread of the CTA calling): the row's shift from their maximum |v|, then each thread's 4-element runs split into
+// halves, run r's hi half at tile + at(r) and its lo half lo bytes further (Layout). Returns the shift.
+template <int PPT, int NR, class At>
+__device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, int lo, At at) {
     float m = 0.0f;
 #pragma unroll
     for (int r = 0; r < NR; r++) m = absmax4(m, make_float4(v[4 * r], v[4 * r + 1], v[4 * r + 2], v[4 * r + 3]));
@@ -126,10 +244,10 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* row, int
     const float f = pow2f(s);
 #pragma unroll
     for (int r = 0; r < NR; r++) {
-        uint2 hi, lo;
-        split4(make_float4(v[4 * r] * f, v[4 * r + 1] * f, v[4 * r + 2] * f, v[4 * r + 3] * f), hi, lo);
-        *(uint2*)(row + 2 * pos(r)) = hi;
-        *(uint2*)(row + bk2 + 2 * pos(r)) = lo;
+        uint2 hi, lo_;
+        split4(make_float4(v[4 * r] * f, v[4 * r + 1] * f, v[4 * r + 2] * f, v[4 * r + 3] * f), hi, lo_);
+        *(uint2*)(tile + at(r)) = hi;
+        *(uint2*)(tile + lo + at(r)) = lo_;
     }
     return s;
 }
@@ -157,8 +275,8 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
 #pragma unroll
             for (int e = 0; e < F::EPP; e++) v[e] = 0.0f;
         }
-        const int s = split_runs<PPT, RUNS>(v, (u8*)(Ws + row * (BK + 4)), 2 * BK,
-                                            [&](int r) { return e0 + F::run(p, r); });
+        const int s = split_runs<PPT, RUNS>(v, (u8*)Ws, Layout<BK>::lo(BM),
+                                            [&](int r) { return Layout<BK>::off(row, e0 + F::run(p, r)); });
         if (i % PPT == 0) shift[row] = s;
     }
 }
@@ -173,7 +291,8 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
         if (row < nrows && k < n_in) float8<T>(w + (size_t)row * rb + (size_t)k * ES, v);
 #pragma unroll
         for (int e = 0; e < 8; e++) v[e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
-        const int s = split_runs<PPT, 2>(v, (u8*)(Ws + row * (BK + 4)), 2 * BK, [&](int r) { return 8 * c + 4 * r; });
+        const int s = split_runs<PPT, 2>(v, (u8*)Ws, Layout<BK>::lo(BM),
+                                         [&](int r) { return Layout<BK>::off(row, 8 * c + 4 * r); });
         if (c == 0) shift[row] = s;
     }
 }
@@ -203,63 +322,94 @@ __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, 
     for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;                                   // f16 NaNs
 }
 
-// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows of BK + 4 floats' bytes); zeros
-// outside; shift[n] each row's power of two. GM_THREADS / BN threads a row (adjacent lanes), each taking every
-// (GM_THREADS / BN)-th float4, so a warp's loads cover whole 32-byte sectors of its rows. Rows whose stride or
-// start is not 16-byte aligned are read a float at a time.
+// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows); zeros outside; shift[n] each
+// row's power of two. TPR adjacent threads a row (GM_THREADS / BN, at least 2: 128-row tiles go in two passes of
+// 64), each taking every TPR-th float4, so a warp's loads cover whole 32-byte sectors of its rows. Rows whose
+// stride or start is not 16-byte aligned are read a float at a time.
 template <int BK, int BN>
 __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow, int n0, int nrows, int k0, int n_in,
                                        float* Xs, int* shift) {
-    constexpr int TPR = GM_THREADS / BN, NV = BK / 4 / TPR;
-    static_assert(GM_THREADS % BN == 0 && NV >= 1 && TPR <= 32, "load_x: threads per row");
+    constexpr int TPR = GM_THREADS / BN > 2 ? GM_THREADS / BN : 2, PASS = GM_THREADS / TPR, NV = BK / 4 / TPR;
+    static_assert(BN % PASS == 0 && NV >= 1 && TPR <= 32, "load_x: threads per row");
     const bool vec = (ldx & 3) == 0 && ((unsigned long long)x & 15) == 0;     // 16-byte rows: float4 loads
-    const int n = threadIdx.x / TPR, h = threadIdx.x % TPR;
-    const bool live = n0 + n < nrows;
-    const float* xr = x + (live ? (size_t)(xrow != nullptr ? xrow[n0 + n] : n0 + n) * ldx : 0);
-    float4 v[NV];
-    float m = 0.0f;
+    const int h = threadIdx.x % TPR;
 #pragma unroll
-    for (int i = 0; i < NV; i++) {
-        const int k = k0 + 4 * (h + TPR * i);
-        v[i].x = v[i].y = v[i].z = v[i].w = 0.0f;
-        if (live && k < n_in) {
-            const float* xp = xr + k;
-            if (vec && k + 4 <= n_in) {
-                v[i] = *(const float4*)xp;
-            } else {                          // unaligned rows, or the tail of n_in (not a multiple of 4)
-                v[i].x = xp[0];
-                v[i].y = k + 1 < n_in ? xp[1] : 0.0f;
-                v[i].z = k + 2 < n_in ? xp[2] : 0.0f;
-                v[i].w = k + 3 < n_in ? xp[3] : 0.0f;
+    for (int n = threadIdx.x / TPR; n < BN; n += PASS) {
+        const bool live = n0 + n < nrows;
+        const float* xr = x + (live ? (size_t)(xrow != nullptr ? xrow[n0 + n] : n0 + n) * ldx : 0);
+        float4 v[NV];
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int k = k0 + 4 * (h + TPR * i);
+            v[i].x = v[i].y = v[i].z = v[i].w = 0.0f;
+            if (live && k < n_in) {
+                const float* xp = xr + k;
+                if (vec && k + 4 <= n_in) {
+                    v[i] = *(const float4*)xp;
+                } else {                          // unaligned rows, or the tail of n_in (not a multiple of 4)
+                    v[i].x = xp[0];
+                    v[i].y = k + 1 < n_in ? xp[1] : 0.0f;
+                    v[i].z = k + 2 < n_in ? xp[2] : 0.0f;
+                    v[i].w = k + 3 < n_in ? xp[3] : 0.0f;
+                }
             }
+            m = absmax4(m, v[i]);
         }
-        m = absmax4(m, v[i]);
-    }
 #pragma unroll
-    for (int o = 1; o < TPR; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const int s = f16_shift(m);
-    const float f = pow2f(s);
-    u8* hp = (u8*)(Xs + n * (BK + 4));
+        for (int o = 1; o < TPR; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const int s = f16_shift(m);
+        const float f = pow2f(s);
 #pragma unroll
-    for (int i = 0; i < NV; i++) {
-        uint2 hi, lo;
-        split4(scale4(v[i], f), hi, lo);
-        *(uint2*)(hp + 8 * (h + TPR * i)) = hi;
-        *(uint2*)(hp + 2 * BK + 8 * (h + TPR * i)) = lo;
+        for (int i = 0; i < NV; i++) {
+            uint2 hi, lo;
+            split4(scale4(v[i], f), hi, lo);
+            const int at = Layout<BK>::off(n, 4 * (h + TPR * i));
+            *(uint2*)((u8*)Xs + at) = hi;
+            *(uint2*)((u8*)Xs + Layout<BK>::lo(BN) + at) = lo;
+        }
+        if (h == 0) shift[n] = s;
     }
-    if (h == 0) shift[n] = s;
 }
 
-// The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. Warps are WM x WN, each MT m16 tiles by NT n8 tiles. GLU
-// jobs (w2 set) need MAY_GLU: the second accumulator set costs ~70 registers a thread, which the plain kernels
-// spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM, GLU only), Xs (BN), BK + 4 floats a row, then the
-// rows' shifts (BM, BM, BN).
+// A k-chunk's wgmma, issued: per k-step and m64 block, lo(W) hi(X), hi(W) lo(X), hi(W) hi(X), the first of the
+// chunk into zeroed sums; HN weight tiles (2: a GLU pair), each its own sums. No branch between the MMAs (ptxas
+// would fence the accumulators at each).
+template <int BK, int MX, int BN, int HN>
+__device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&part2)[MX][BN / 8][4],
+                                         const float* Ws, const float* Ws2, const float* Xs, int BM) {
+    const u32 xh = smem_addr(Xs), xl = xh + Layout<BK>::lo(BN);
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16)
+#pragma unroll
+        for (int h = 0; h < HN; h++)
+#pragma unroll
+            for (int i = 0; i < MX; i++) {
+                float* c = h ? &part2[i][0][0] : &part[i][0][0];
+                const u32 wh = smem_addr(h ? Ws2 : Ws) + i * 128 * BK + 16 * kk, wl = wh + Layout<BK>::lo(BM);
+                if (kk == 0)
+                    wg_mma<BN, false>(c, wg_desc(wl, BK), wg_desc(xh, BK));
+                else
+                    wg_mma<BN, true>(c, wg_desc(wl, BK), wg_desc(xh + 16 * kk, BK));
+                wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xl + 16 * kk, BK));
+                wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xh + 16 * kk, BK));
+            }
+}
+
+// The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
+// costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
+// GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN).
+// mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
+// all BN columns, warp w rows 16w .. 16w + 15 of each; its accumulator fragment is mma.sync's m16n8 one for each
+// 8 columns, so the two paths share the epilogue with (MX, NX) the m16-or-m64 blocks and n8 tiles a thread holds.
 template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
                                           int n0, float* y, int ldy) {
-    constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4, RB = LD * 4;   // RB: a row's bytes
+    constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4;
     static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
+    constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
+    static_assert(!GM_WG || BM % 64 == 0, "wgmma tile: whole m64 blocks");
     const bool glu = MAY_GLU && w2 != nullptr;
     float* Ws = (float*)SMEM;
     float* Ws2 = Ws + BM * LD;
@@ -268,19 +418,25 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     int* sh_w2 = sh_w + BM;
     int* sh_x = sh_w2 + BM;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wm = (warp % WM) * MT * 16, wn = (warp / WM) * NT * 8;
+    // the first row and column of this thread's fragment in block i, n8 tile j: rbase + i * rstep + g (+ 8), cbase
+    // + 8 j + 2 t (+ 1)
+    const int rbase = GM_WG ? 16 * warp : (warp % WM) * MT * 16, rstep = GM_WG ? 64 : 16;
+    const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
     const int mrows = min(BM, n_out - m0);
+#if !GM_WG
+    constexpr int RB = LD * 4;     // a row's bytes
     // ldmatrix rows of this lane: A (weights) row lane & 15 at k + 8 (lane >> 4); B (step rows) row
     // (lane & 7) + 8 (lane >> 4) at k + 8 ((lane >> 3) & 1): fragments a0..a3, and b0 b1 of two n8 tiles
-    const u32 xs = smem_addr(Xs) + (wn + (lane & 7) + ((lane >> 4) << 3)) * RB + ((lane >> 3) & 1) * 16;
-    const u32 ws = smem_addr(Ws) + (wm + (lane & 15)) * RB + (lane >> 4) * 16;
+    const u32 xs = smem_addr(Xs) + (cbase + (lane & 7) + ((lane >> 4) << 3)) * RB + ((lane >> 3) & 1) * 16;
+    const u32 ws = smem_addr(Ws) + (rbase + (lane & 15)) * RB + (lane >> 4) * 16;
     const u32 ws2 = ws + BM * RB;
-    float acc[MT][NT][4], acc2[MT][NT][4];
-    float part[MT][NT][4], part2[MT][NT][4];
+#endif
+    float acc[MX][NX][4], acc2[MX][NX][4];
+    float part[MX][NX][4], part2[MX][NX][4];
 #pragma unroll
-    for (int i = 0; i < MT; i++)
+    for (int i = 0; i < MX; i++)
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+        for (int j = 0; j < NX; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
@@ -288,11 +444,30 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w);
         if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2);
         load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
+#if GM_WG
+        wg_proxy_fence();
+        __syncthreads();
+        wg_fence();
+        if (glu)
+            wg_chunk<BK, MX, BN, 2>(part, part2, Ws, Ws2, Xs, BM);
+        else
+            wg_chunk<BK, MX, BN, 1>(part, part2, Ws, Ws2, Xs, BM);
+        wg_commit_wait();
+#pragma unroll
+        for (int i = 0; i < MX; i++)
+#pragma unroll
+            for (int j = 0; j < NX; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    wg_pin(part[i][j][e]);
+                    if (MAY_GLU) wg_pin(part2[i][j][e]);
+                }
+#else
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < MT; i++)
+        for (int i = 0; i < MX; i++)
 #pragma unroll
-            for (int j = 0; j < NT; j++)
+            for (int j = 0; j < NX; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) part[i][j][e] = part2[i][j][e] = 0.0f;
 #pragma unroll 2
@@ -325,20 +500,21 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
                 }
             }
         }
+#endif
         // the chunk's sums back from its shifts (exact powers of two, in turn: no 2^252 factor), added in f32
-        float fx[NT][2];
+        float fx[NX][2];
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+        for (int j = 0; j < NX; j++)
 #pragma unroll
-            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-sh_x[wn + j * 8 + 2 * t + c]);
+            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-sh_x[cbase + j * 8 + 2 * t + c]);
 #pragma unroll
-        for (int i = 0; i < MT; i++)
+        for (int i = 0; i < MX; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const float fw = pow2f(-sh_w[wm + i * 16 + g + 8 * r]);
-                const float fw2 = glu ? pow2f(-sh_w2[wm + i * 16 + g + 8 * r]) : 0.0f;
+                const float fw = pow2f(-sh_w[rbase + i * rstep + g + 8 * r]);
+                const float fw2 = glu ? pow2f(-sh_w2[rbase + i * rstep + g + 8 * r]) : 0.0f;
 #pragma unroll
-                for (int j = 0; j < NT; j++)
+                for (int j = 0; j < NX; j++)
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         acc[i][j][2 * r + c] = fmaf(part[i][j][2 * r + c] * fw, fx[j][c], acc[i][j][2 * r + c]);
@@ -351,12 +527,12 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     }
     // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8
 #pragma unroll
-    for (int i = 0; i < MT; i++)
+    for (int i = 0; i < MX; i++)
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+        for (int j = 0; j < NX; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int m = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
+                const int m = m0 + rbase + i * rstep + g + (e >> 1) * 8, n = n0 + cbase + j * 8 + 2 * t + (e & 1);
                 if (m < n_out && n < nrows) {
                     const float a = acc[i][j][e];
                     y[(size_t)n * ldy + m] = glu ? siluf_(a) * acc2[i][j][e] : a;

@@ -14,12 +14,18 @@ import numpy as np
 
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import I, Launch, P, need
+from strata.kernels.build import define
 from strata.kernels.gemv import _check_mat
 from strata.quant.formats import QType
 
 THREADS = 128
-# tile shapes: (kernel prefix, BN); BN = 16 when a step has few rows (decode batches), else 64
-SHAPES = (("gemm_jobs16", 16), ("gemm_jobs64", 64))
+# tile shapes: (kernel prefix, BN); BN = 16 when a step has few rows (decode batches), 128 for the plain launches of
+# steps of at least 128 rows (prefill chunks) over matrices of at least WIDE_OUT outputs, else 64
+SHAPES = (("gemm_jobs16", 16), ("gemm_jobs64", 64), ("gemm_jobs128", 128))
+# GEMM_WIDE_N=0 in $STRATA_KERNEL_DEFINES keeps those launches on BN = 64 (the comparison bench/gpu_gemm.sh runs).
+# A 64 x 128 tile decodes half the weights per multiply-add that a 128 x 64 one does, and its wgmma (m64n128k16)
+# reads a quarter fewer shared-memory bytes per product; the GLU tiles, with two accumulator sets, stay at 64.
+WIDE_N = define("GEMM_WIDE_N", 1)
 
 
 def chunk_k(types) -> int:
@@ -32,7 +38,8 @@ WIDE_OUT = 1024         # plain 64-row steps take 128 weight rows a CTA when eve
 
 
 def tile_bm(bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
-    """Weight rows a CTA takes (gemm.cu / moe.cu's BM = WM * MT * 16): 128 for plain tiles of 64 step rows (each
+    """Weight rows a CTA takes (gemm.cu / moe.cu's BM = WM * MT * 16; 64 in the tiles of 128 step rows, whose
+    products share the tile's weights over twice the rows instead): 128 for plain tiles of 64 step rows (each
     warp 64 x 32: fewer shared-memory bytes per multiply-add, which bounds the tile) over matrices of at least
     WIDE_OUT outputs (n_out: the launch's smallest), else 64: a GLU tile's two accumulator sets, 16 step rows, or
     few outputs, where 64-row tiles keep twice the CTAs busy (H200, 4096 rows: hc down 320 x 10240 0.81 ms in
@@ -43,7 +50,7 @@ def tile_bm(bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
 
 def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
     """gemm.cu's kernel for a launch: the tile's step rows (shape_for), k-chunk, GLU, and 128 or 64 weight rows."""
-    kernel, bn = shape_for(max_rows)
+    kernel, bn = shape_for(max_rows, glu, n_out)
     narrow = "_m64" if bn == 64 and not glu and tile_bm(bn, glu, n_out) == 64 else ""
     return f"{kernel}_k{bk}{'_glu' if glu else ''}{narrow}"
 
@@ -75,9 +82,12 @@ class GemmJob:
     ldy: int | None = None
 
 
-def shape_for(max_rows: int) -> tuple[str, int]:
-    """(kernel name, BN) for a bucket of up to max_rows rows."""
-    return SHAPES[0] if max_rows <= 16 else SHAPES[1]
+def shape_for(max_rows: int, glu: bool = False, n_out: int = WIDE_OUT) -> tuple[str, int]:
+    """(kernel name, BN) for a bucket of up to max_rows rows, in a launch with (glu) or without GLU jobs whose
+    smallest matrix has n_out outputs (narrow matrices keep BN = 64: twice the CTAs of a 128-row tile)."""
+    if max_rows <= 16:
+        return SHAPES[0]
+    return SHAPES[2] if WIDE_N and not glu and max_rows >= 128 and n_out >= WIDE_OUT else SHAPES[1]
 
 
 def job_table(name: str, n_jobs: int, reserve) -> DevArray:
@@ -89,8 +99,8 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
     rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
     tiles, glu = 0, any(j.w2 is not None for j in jobs)
     bk = chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
-    _, bn = shape_for(max_rows)
     n_out = min(j.w.n_out for j in jobs)
+    _, bn = shape_for(max_rows, glu, n_out)
     bm = tile_bm(bn, glu, n_out)
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
@@ -127,6 +137,6 @@ def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: 
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
-    _, bn = shape_for(max_rows)
+    _, bn = shape_for(max_rows, any(j.w2 is not None for j in jobs), min(j.w.n_out for j in jobs))
     return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
                   [P(table), I(len(jobs)), P(n_rows)])
