@@ -184,7 +184,7 @@ struct WgOp {
     std::uint64_t a, b;
     int acc;
 };
-inline thread_local std::vector<WgOp> wg_issued;
+inline thread_local std::vector<WgOp> wg_issued, wg_committed;     // since the last commit; since the last wait
 }  // namespace emu
 
 inline void emu_wgmma(float* d, int n, std::uint64_t a, std::uint64_t b, int acc) {
@@ -200,9 +200,14 @@ inline float emu_wg_elem(std::uint64_t desc, int r, int k) {
     return emu_half_to_float(h);
 }
 
-inline void emu_wgmma_commit_wait() {
+inline void emu_wgmma_commit() {
+    emu::wg_committed.insert(emu::wg_committed.end(), emu::wg_issued.begin(), emu::wg_issued.end());
+    emu::wg_issued.clear();
+}
+
+inline void emu_wgmma_wait() {
     const int t = emu_linear_tid() & 127, w = t >> 5, g = (t & 31) >> 2, q = t & 3;
-    for (const emu::WgOp& op : emu::wg_issued)
+    for (const emu::WgOp& op : emu::wg_committed)
         for (int j = 0; j < op.n / 8; j++)
             for (int e = 0; e < 4; e++) {
                 const int m = 16 * w + g + 8 * (e >> 1), n = 8 * j + 2 * q + (e & 1);
@@ -210,7 +215,7 @@ inline void emu_wgmma_commit_wait() {
                 for (int k = 0; k < 16; k++) s += emu_wg_elem(op.a, m, k) * emu_wg_elem(op.b, n, k);
                 op.d[4 * j + e] = s;
             }
-    emu::wg_issued.clear();
+    emu::wg_committed.clear();
 }
 
 // f16 bits -> f32, exactly (common.cuh h2f's twin of cvt.f32.f16)

@@ -31,6 +31,8 @@
 // whether 2 without spills is faster is for bench/gpu_gemm.sh to say).
 #ifdef GEMM_MIN_CTAS
 #define GM_MIN_CTAS(GLU, BK, MT) GEMM_MIN_CTAS
+#elif GEMM_STAGES > 1
+#define GM_MIN_CTAS(GLU, BK, MT) 2
 #else
 #define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 1 ? 3 : 4)
 #endif
@@ -130,6 +132,14 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #else
 #define GM_WG 0
 #endif
+// GEMM_STAGES=2: the wgmma tile keeps two k-chunks in shared memory and decodes chunk c + 1 into one while the
+// tensor cores read chunk c from the other (each CTA overlaps itself; twice the shared memory, 2 CTAs a
+// multiprocessor). 1 (the default): one chunk a CTA, the overlap from the other CTAs on the multiprocessor.
+// gemm.py sizes the launches' shared memory by the same define.
+#ifndef GEMM_STAGES
+#define GEMM_STAGES 1
+#endif
+#define GM_STAGES (GM_WG ? GEMM_STAGES : 1)
 
 // Where a tile's element (r, k) of a k-chunk lives in shared memory: the byte offset of its hi half from the tile's
 // start (off), and how much further its lo half is (lo, for a tile of R rows).
@@ -184,7 +194,7 @@ __device__ __forceinline__ u64 wg_desc(u32 a, int bk) {
             asm volatile(WG_ASM(N, NA, NB, NP) : WG_OPS##N("=f") : "l"(a), "l"(b), "r"(0));
 
 // d (N / 2 floats: the m64nN accumulator fragment) = A B^T (+ d when ACC), A 64 x 16 and B N x 16 (K-major) at
-// descriptors a and b, issued asynchronously: d is defined only after wg_commit_wait(). Without ACC the registers'
+// descriptors a and b, issued asynchronously: d is defined only after wg_commit() and wg_wait(). Without ACC the registers'
 // old values are dead to the compiler (outputs only), so they cost nothing while the next chunk decodes.
 template <int N_, bool ACC>
 __device__ __forceinline__ void wg_mma(float* d, u64 a, u64 b) {
@@ -198,9 +208,10 @@ __device__ __forceinline__ void wg_mma(float* d, u64 a, u64 b) {
 #endif
 }
 
-// ordinary shared-memory stores made visible to the tensor cores (each writing thread, before the barrier)
+// ordinary shared-memory stores made visible to the tensor cores (each writing thread, before the barrier); nothing
+// on the mma.sync path, whose reads are ordinary
 __device__ __forceinline__ void wg_proxy_fence() {
-#ifdef __CUDACC__
+#if defined(__CUDACC__) && GM_WG
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
@@ -212,13 +223,21 @@ __device__ __forceinline__ void wg_fence() {
 #endif
 }
 
-// the batch issued since the last commit is complete, its accumulators readable and its shared operands free
-__device__ __forceinline__ void wg_commit_wait() {
+// the MMAs issued since the last commit, as one group
+__device__ __forceinline__ void wg_commit() {
 #ifdef __CUDACC__
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#else
+    emu_wgmma_commit();
+#endif
+}
+
+// every committed group complete: their accumulators readable and their shared operands free
+__device__ __forceinline__ void wg_wait() {
+#ifdef __CUDACC__
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #else
-    emu_wgmma_commit_wait();
+    emu_wgmma_wait();
 #endif
 }
 
@@ -411,6 +430,8 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
     static_assert(!GM_WG || BM % 64 == 0, "wgmma tile: whole m64 blocks");
     const bool glu = MAY_GLU && w2 != nullptr;
+    // a stage: Ws (BM), Ws2 (BM, GLU only), Xs (BN) rows of LD floats, then the shifts (BM, BM, BN)
+    const int stage = ((glu ? 2 : 1) * BM + BN) * LD * 4 + (2 * BM + BN) * 4;
     float* Ws = (float*)SMEM;
     float* Ws2 = Ws + BM * LD;
     float* Xs = Ws2 + (glu ? BM * LD : 0);
@@ -423,6 +444,15 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const int rbase = GM_WG ? 16 * warp : (warp % WM) * MT * 16, rstep = GM_WG ? 64 : 16;
     const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
     const int mrows = min(BM, n_out - m0);
+    // chunk k0's weights and rows into stage s
+    auto load = [&](int k0, int s) {
+        const int o = s * stage;
+        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, (float*)((u8*)Ws + o), BM, (int*)((u8*)sh_w + o));
+        if (glu)
+            deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, (float*)((u8*)Ws2 + o), BM,
+                         (int*)((u8*)sh_w2 + o));
+        load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, (float*)((u8*)Xs + o), (int*)((u8*)sh_x + o));
+    };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes
     // ldmatrix rows of this lane: A (weights) row lane & 15 at k + 8 (lane >> 4); B (step rows) row
@@ -440,19 +470,31 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
-    for (int k0 = 0; k0 < n_in; k0 += BK) {
-        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w);
-        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2);
-        load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
-#if GM_WG
+    if (GM_STAGES == 2) {
+        load(0, 0);
         wg_proxy_fence();
         __syncthreads();
+    }
+    for (int k0 = 0, s = 0; k0 < n_in; k0 += BK, s ^= GM_STAGES - 1) {
+        const int o = s * stage;                  // this chunk's stage
+        if (GM_STAGES == 1) {
+            load(k0, 0);
+            wg_proxy_fence();
+            __syncthreads();
+        }
+#if GM_WG
         wg_fence();
+        const float *cw = (float*)((u8*)Ws + o), *cw2 = (float*)((u8*)Ws2 + o), *cx = (float*)((u8*)Xs + o);
         if (glu)
-            wg_chunk<BK, MX, BN, 2>(part, part2, Ws, Ws2, Xs, BM);
+            wg_chunk<BK, MX, BN, 2>(part, part2, cw, cw2, cx, BM);
         else
-            wg_chunk<BK, MX, BN, 1>(part, part2, Ws, Ws2, Xs, BM);
-        wg_commit_wait();
+            wg_chunk<BK, MX, BN, 1>(part, part2, cw, cw2, cx, BM);
+        wg_commit();
+        if (GM_STAGES == 2 && k0 + BK < n_in) {     // the next chunk, while the tensor cores read this one
+            load(k0 + BK, s ^ 1);
+            wg_proxy_fence();
+        }
+        wg_wait();
 #pragma unroll
         for (int i = 0; i < MX; i++)
 #pragma unroll
@@ -463,7 +505,6 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
                     if (MAY_GLU) wg_pin(part2[i][j][e]);
                 }
 #else
-        __syncthreads();
 #pragma unroll
         for (int i = 0; i < MX; i++)
 #pragma unroll
@@ -506,13 +547,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
         for (int j = 0; j < NX; j++)
 #pragma unroll
-            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-sh_x[cbase + j * 8 + 2 * t + c]);
+            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-((int*)((u8*)sh_x + o))[cbase + j * 8 + 2 * t + c]);
 #pragma unroll
         for (int i = 0; i < MX; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const float fw = pow2f(-sh_w[rbase + i * rstep + g + 8 * r]);
-                const float fw2 = glu ? pow2f(-sh_w2[rbase + i * rstep + g + 8 * r]) : 0.0f;
+                const float fw = pow2f(-((int*)((u8*)sh_w + o))[rbase + i * rstep + g + 8 * r]);
+                const float fw2 = glu ? pow2f(-((int*)((u8*)sh_w2 + o))[rbase + i * rstep + g + 8 * r]) : 0.0f;
 #pragma unroll
                 for (int j = 0; j < NX; j++)
 #pragma unroll

@@ -26,6 +26,10 @@ SHAPES = (("gemm_jobs16", 16), ("gemm_jobs64", 64), ("gemm_jobs128", 128))
 # A 64 x 128 tile decodes half the weights per multiply-add that a 128 x 64 one does, and its wgmma (m64n128k16)
 # reads a quarter fewer shared-memory bytes per product; the GLU tiles, with two accumulator sets, stay at 64.
 WIDE_N = define("GEMM_WIDE_N", 1)
+# k-chunks a CTA keeps in shared memory (gemm.cuh GEMM_STAGES: 2 overlaps a chunk's decode with the previous one's
+# MMAs inside the CTA); the mma.sync tile (GEMM_WGMMA=0) has one. A GPU of another compute capability than 9.0
+# builds the mma.sync tile whatever the define says, and leaves a second stage unused.
+STAGES = define("GEMM_STAGES", 1) if define("GEMM_WGMMA", 1) else 1
 
 
 def chunk_k(types) -> int:
@@ -56,9 +60,9 @@ def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
 
 
 def smem_bytes(bk: int, bn: int, bm: int, glu: bool) -> int:
-    """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row, then the
-    rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
-    return ((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
+    """gemm_tile's shared memory: STAGES times the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row,
+    then the rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
+    return STAGES * (((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4)
 
 # struct GemmJob (gemm.cu), 80 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
