@@ -4,10 +4,18 @@
 # as n_in grows) and bench/bench_gemm.py (time per launch at 512 and 4096 rows). Logs: $OUT/gemm_<n>_*.log.
 #   VARIANTS=";NAME=VALUE OTHER=VALUE" bash bench/gpu_gemm.sh   (the default build, then one with those -D defines)
 #   FIRST_TESTS_ONLY=1: the tests for the first variant only (the others timed and checked by gemm_accuracy.py)
+#   MODEL=models/flash-realistic.gguf: also a 4096-row prefill chunk of that file per variant, stage by stage and as
+#   the whole-step graph (bench_prefill_gpu.py; the file is made first when missing: flash preset, realistic mix
+#   and routing, ~2 minutes)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
 out=${OUT:-/tmp}
+if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
+    mkdir -p "$(dirname "$MODEL")"
+    python3 cli.py make-model "$MODEL" --preset flash --ple-base 2000000 --routing realistic --threads 12 \
+        > "$out/make_model.log" 2>&1 &
+fi
 n=0
 IFS=';' read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
@@ -20,5 +28,10 @@ for v in "${variants[@]}"; do
     fi
     python3 bench/gemm_accuracy.py 2>&1 | tee "$out/gemm_${n}_accuracy.log"
     python3 bench/bench_gemm.py --rows "${ROWS:-512,4096}" --reps 5 2>&1 | tee "$out/gemm_${n}_time.log"
+    if [ -n "${MODEL:-}" ]; then
+        wait                          # the model file, when it is being made
+        python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 --tokens 8192 2>&1 \
+            | tee "$out/gemm_${n}_prefill.log" | grep -E "^chunk|experts|mixer|sum"
+    fi
     n=$((n + 1))
 done

@@ -165,7 +165,14 @@ def test_top_p_set_is_the_full_sorts():
         want = np.sort(order[np.cumsum(p[order]) - p[order] < top_p])
         assert np.array_equal(_top_p_prefix(p, top_p), want), (trial, n, top_p)
         flat += len(want) > TOP_P_FIRST
-    assert flat > 10                                            # the whole-vocabulary sort ran too
+    assert flat > 10                                            # the flat distributions' path ran too
+    z = rng.standard_normal(248_320) / 0.7                      # the flash vocabulary, flat: most of it is kept
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    for top_p in (0.5, 0.9, 0.999):
+        want = np.sort(order[np.cumsum(p[order]) - p[order] < top_p])
+        assert np.array_equal(_top_p_prefix(p, top_p), want), top_p
 
 
 def test_draws_follow_the_probabilities():
@@ -199,3 +206,27 @@ def test_draws_follow_the_probabilities():
         expect = p[top] * len(draws)
         chi2 = float(((counts - expect) ** 2 / expect).sum())
         assert chi2 < len(top) + 4 * np.sqrt(2 * len(top)), (kw, chi2)
+
+
+def test_pick_in_two_levels_is_the_inverse_cdf():
+    """Over a long vector _pick sums blocks first, then one block: the index is the full cumulative sum's for the
+    same uniform draw, never a token of probability 0 (zero blocks, a zero tail, a draw at the very top)."""
+    from types import SimpleNamespace
+
+    from strata.sampling import PICK_BLOCK
+    rng = np.random.default_rng(5)
+    n = 20 * PICK_BLOCK + 77
+    p = rng.random(n) ** 4
+    p[3 * PICK_BLOCK - 5:5 * PICK_BLOCK + 9] = 0.0
+    p[-PICK_BLOCK - 100:] = 0.0
+    p /= p.sum()
+    us = np.concatenate([rng.random(3000), [0.0, 1.0 - 2.0 ** -53]])
+    s = Sampler(SamplingParams(temperature=1.0, seed=0))
+    draws = iter(us)
+    s.rng = SimpleNamespace(random=lambda: next(draws))
+    cdf = np.cumsum(p)
+    for u in us:
+        got = s._pick(p.copy())
+        want = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
+        want = want if p[want] > 0 else int(np.flatnonzero(p)[-1])
+        assert got == want and p[got] > 0, (u, got, want)
