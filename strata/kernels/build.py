@@ -1,4 +1,4 @@
-"""NVRTC build of the kernel sources: compiled at first use for the device's architecture (sm_90 on the H200) to
+"""NVRTC build of the kernel sources: compiled at first use for the device's architecture (sm_90a on the H200) to
 a cubin, cached on disk by source hash, arch, options and NVRTC version ($STRATA_CACHE or ~/.cache/strata, in
 kernels/), loaded with cuModuleLoadData.
 
@@ -96,7 +96,7 @@ def compile_cubin(name: str, arch: int) -> bytes:
 
     opts = [f"--gpu-architecture={target(arch)}".encode(), *(o.encode() for o in options())]
     try:
-        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"nvrtcCompileProgram({name}.cu, sm_{arch})", log)
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"nvrtcCompileProgram({name}.cu, {target(arch)})", log)
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

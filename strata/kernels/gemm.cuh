@@ -194,8 +194,8 @@ __device__ __forceinline__ u64 wg_desc(u32 a, int bk) {
             asm volatile(WG_ASM(N, NA, NB, NP) : WG_OPS##N("=f") : "l"(a), "l"(b), "r"(0));
 
 // d (N / 2 floats: the m64nN accumulator fragment) = A B^T (+ d when ACC), A 64 x 16 and B N x 16 (K-major) at
-// descriptors a and b, issued asynchronously: d is defined only after wg_commit() and wg_wait(). Without ACC the registers'
-// old values are dead to the compiler (outputs only), so they cost nothing while the next chunk decodes.
+// descriptors a and b, issued asynchronously: d is defined only after wg_commit() and wg_wait(). Without ACC the
+// registers' old values are dead to the compiler (outputs only), so they cost nothing while the next chunk decodes.
 template <int N_, bool ACC>
 __device__ __forceinline__ void wg_mma(float* d, u64 a, u64 b) {
     static_assert(N_ == 16 || N_ == 64 || N_ == 128, "wg_mma: N");
