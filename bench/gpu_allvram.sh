@@ -17,7 +17,7 @@ model=${MODEL:-models/flash.gguf}
 mopt=(--model "$model" --routing "${ROUTING:-uniform}")
 python3 bench/gpu_check.py --phases model "${mopt[@]}" > "$out/model.log" 2>&1 &
 model_pid=$!
-python3 -m pytest -q -rs tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
+python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
     | grep -E "FAILED|Error|passed|failed" | tail -25
 python3 -m pytest -q -rs tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -3
 [ "${GEMV:-1}" != 0 ] && python3 bench/gpu_check.py --phases gemv ${SWEEP:+--sweep} 2>&1 | tee "$out/gemv.log" \

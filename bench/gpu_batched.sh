@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 config=${1:?vram or budget24}; shift
 source bench/gpu_env.sh || exit 1
 if [ "${1:-}" = tests ]; then
-    python3 -m pytest -q -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tail -15
+    python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tail -15
 fi
 mkdir -p models
 if [ ! -f models/flash.gguf ]; then

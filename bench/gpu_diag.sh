@@ -14,7 +14,7 @@ if [ ! -f $model ]; then
     python3 cli.py make-model $model --preset flash --ple-base 2000000 --routing realistic --threads 12 \
         > "$out/make_model.log" 2>&1 &
 fi
-python3 -m pytest -q -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
+python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
 OUT= python3 bench/gpu_check.py --phases gemv --sweep > "$out/gemv_sweep.log" 2>&1
 tail -14 "$out/gemv_sweep.log"
 wait

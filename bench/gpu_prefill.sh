@@ -20,9 +20,9 @@ make_model() {
         --threads 12 > "$out/make_model.log" 2>&1
 }
 if [ "$config" = vram ]; then
-    python3 -m pytest -q -x -rs tests/test_cuda_kernels.py -k "gemm or experts or moe" 2>&1 | tail -3 || exit 1
+    python3 -m pytest -q -x -rs -m gpu tests/test_cuda_kernels.py -k "gemm or experts or moe" 2>&1 | tail -3 || exit 1
     make_model &
-    python3 -m pytest -q -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" \
+    python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" \
         | tail -4
     python3 bench/bench_gemm.py --rows 512,4096 --reps 5 2>&1 | tee "$out/gemm.log"
     python3 bench/gemm_accuracy.py 2>&1 | tee "$out/gemm_accuracy.log"
