@@ -40,6 +40,17 @@ def random_rows(qt: QType, n_out: int, n_in: int, rng) -> np.ndarray:
     return raw
 
 
+class Launches:
+    """Launches enqueued back to back, as one."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def enqueue(self, stream) -> None:
+        for launch in self.launches:
+            launch.enqueue(stream)
+
+
 def time_launch(launch, stream, reps: int) -> float:
     """Median ms of one launch over reps, after two warm-up launches."""
     for _ in range(2):
@@ -80,6 +91,9 @@ def main() -> None:
         y = A.reserve("y", (Tm, n_out))
         nr = A.reserve("n_rows", (1,), np.int32)
         tables = {t: kgemm.job_table(f"jobs{t}", 1, A.reserve) for t in rows}
+        bk = kgemm.chunk_k([qt])
+        xs = (kgemm.XSplit(A.reserve("xs", (kgemm.xsplit_bytes(n_in, bk, Tm),), np.uint8), n_in, bk, Tm)
+              if kgemm.XPREP else None)
         gtab = kgemv.job_table("gemv", 1, A.reserve)
         A.commit()
         w.upload(device_rows(random_rows(qt, n_out, n_in, rng), qt, n_out, n_in).reshape(-1))
@@ -89,7 +103,10 @@ def main() -> None:
         t_gemv = time_launch(gv, stream, args.reps)
         for T in rows:
             nr.upload(np.array([T], np.int32))
-            launch = kgemm.gemm_launch(lambda n: K.fn("gemm", n), "gemm", tables[T], [kgemm.GemmJob(m, x, y)], nr, T)
+            fn = lambda n: K.fn("gemm", n)
+            launch = kgemm.gemm_launch(fn, "gemm", tables[T], [kgemm.GemmJob(m, x, y, xs=xs)], nr, T)
+            if xs is not None:               # GEMM_XPREP: the split of x is part of the product's time
+                launch = Launches([kgemm.xsplit_launch(fn, "x_split", x, n_in, xs, nr, T), launch])
             t = time_launch(launch, stream, args.reps)
             tf = 2 * T * n_out * n_in / (t * 1e-3) / 1e12
             print(f"{label:14s} {qt.name:7s} {n_out:6d}x{n_in:<6d} {T:5d} {t:9.3f} {tf:8.2f} {T * t_gemv:11.3f} "

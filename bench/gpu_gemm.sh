@@ -23,7 +23,7 @@ for v in "${variants[@]}"; do
     echo "== defines: '${v}'"
     export STRATA_KERNEL_DEFINES="$v"
     if [ $n -eq 0 ] || [ -z "${FIRST_TESTS_ONLY:-}" ]; then
-        python3 -m pytest -q -rs tests/test_cuda_kernels.py -k "gemm" 2>&1 | tee "$out/gemm_${n}_tests.log" \
+        python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "gemm or grouped" 2>&1 | tee "$out/gemm_${n}_tests.log" \
             | grep -E "passed|failed|Error|assert" | tail -8
     fi
     python3 bench/gemm_accuracy.py 2>&1 | tee "$out/gemm_${n}_accuracy.log"

@@ -12,6 +12,7 @@ passes there too).
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -1005,6 +1006,85 @@ def test_gemm_one_table_two_buckets(rig):
             out = y.download()
             assert rel(out[:t], ref[:t]) <= TOL, f"{t} rows"
             assert np.isnan(out[t:]).all()
+
+
+@both_rigs
+@pytest.mark.parametrize("types,n_in", [((QType.Q4_K, QType.Q8_0), 768), ((QType.Q6_K, QType.IQ4_XS), 768),
+                                        ((QType.F32, QType.BF16), 549)], ids=["k64", "k128", "tail"])
+def test_gemm_prepared_rows(rig, types, n_in, monkeypatch):
+    """Step rows split once by x_split (gemm.py XSplit) for a launch of two jobs: the same numbers, bit for bit, as
+    the tiles splitting x themselves, at a 150-row bucket (64 x 128 tiles) and a 40-row one (128 x 64) of the same
+    split buffer (549: a partial last k-chunk, rows not a multiple of 4), rows past n_rows untouched; and within
+    1e-5 of float64. The emulator builds gemm.cu with GEMM_XPREP=1 for it; on the GPU it runs in such a build."""
+    from strata.kernels import gemm as kgemm
+    if isinstance(rig, EmuRig):
+        monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + " GEMM_XPREP=1")
+        kx = EmuKernels(rig.k.cache)
+        fn = lambda n: kx.fn("gemm", n)
+    elif not kgemm.XPREP:
+        pytest.skip("this GPU build has no copy of prepared rows: GEMM_XPREP=1 in $STRATA_KERNEL_DEFINES builds it "
+                    "(bench/gpu_gemm.sh's variant)")
+    else:
+        fn = lambda n: rig.k.fn("gemm", n)
+    rng = np.random.default_rng(17 + n_in)
+    T, (qa, qb), (na, nb) = 150, types, (1100, 1030)
+    X = (rng.standard_normal((T, n_in)) * 10.0 ** rng.uniform(-3, 3, (T, 1))).astype(F32)
+    xb = rig.buf("x", X.shape, value=X)
+    nr = rig.buf("n_rows", (1,), np.int32, [T])
+    ra, rb = random_matrix(qa, na, n_in, rng, 0.05), random_matrix(qb, nb, n_in, rng, 0.05)
+    a, b = rig.mat("a", ra, qa, na, n_in), rig.mat("b", rb, qb, nb, n_in)
+    bk = kgemm.chunk_k([qa, qb])
+    split = kgemm.XSplit(rig.buf("xs", (kgemm.xsplit_bytes(n_in, bk, T),), np.uint8), n_in, bk, T)
+    ys = [rig.buf(f"y{i}", (T, n)) for i, n in enumerate((na, nb, na, nb))]
+    tables = [kgemm.job_table(f"jobs{i}", 2, rig.A.reserve) for i in range(2)]
+    rig.commit()
+    refs = [X.astype(np.float64) @ dequantize(r, q).reshape(n, n_in).astype(np.float64).T
+            for r, q, n in ((ra, qa, na), (rb, qb, nb))]
+    plain = [kgemm.GemmJob(a, xb, ys[0]), kgemm.GemmJob(b, xb, ys[1])]
+    prep = [kgemm.GemmJob(a, xb, ys[2], xs=split), kgemm.GemmJob(b, xb, ys[3], xs=split)]
+    for t in (T, 40):
+        assert kgemm.gemm_plan(prep, t)[3].startswith("gemm_jobs128" if t == T else "gemm_jobs64_")
+        live = t - 1
+        nr.upload(np.array([live], np.int32))
+        rig.poison(*ys)
+        split.buf.upload(np.full(split.buf.shape, 0xA5, np.uint8))     # stale planes would show
+        rig.run(kgemm.gemm_launch(fn, "plain", tables[0], plain, nr, t),
+                kgemm.xsplit_launch(fn, "split", xb, n_in, split, nr, t),
+                kgemm.gemm_launch(fn, "prep", tables[1], prep, nr, t))
+        for y0, y1, ref in ((ys[0], ys[2], refs[0]), (ys[1], ys[3], refs[1])):
+            o0, o1 = y0.download(), y1.download()
+            assert np.array_equal(o0[:live], o1[:live]), f"{t} rows: the prepared rows give other numbers"
+            assert rel(o1[:live], ref[:live]) <= TOL and np.isnan(o1[live:]).all()
+
+
+def test_batch_prepares_each_x_once(monkeypatch):
+    """GEMM_XPREP's plan (strata.cuda.batch): a step's plain GEMM ops get x_split preps, one per distinct x in an op,
+    and ops reading the same x in the same k-chunk share one split buffer; GLU ops, gathered rows and the head's
+    ops (their own row count) keep the tile's own split; a Q6_K op splits in chunks of 128, apart."""
+    from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.batch import BatchPath
+    from strata.kernels import gemm as kgemm
+    from strata.kernels.gemm import GemmJob
+    monkeypatch.setattr(kgemm, "XPREP", 1)
+    A = Arena()
+    bp = object.__new__(BatchPath)
+    bp.be, bp.rows, bp._xsplits = SimpleNamespace(A=A), 300, {}
+    mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
+                                               n_out, n_in, row_bytes(qt, n_in))
+    x, x2, y = A.reserve("x", (300, 512)), A.reserve("x2", (300, 512)), A.reserve("y", (300, 2048))
+    q4, q8, q6 = mat("q4", QType.Q4_K, 1024, 512), mat("q8", QType.Q8_0, 2048, 512), mat("q6", QType.Q6_K, 64, 512)
+    ops = [bp._gemm("a", [GemmJob(q4, x, y), GemmJob(q8, x, y), GemmJob(q4, x2, y)]),
+           bp._gemm("b", [GemmJob(q8, x, y)]),
+           bp._gemm("c", [GemmJob(q6, x, y)]),
+           bp._gemm("glu", [GemmJob(q4, x, y, w2=q4)]),
+           bp._gemm("gather", [GemmJob(q4, x, y, xrow=A.reserve("rows", (300,), np.int32))]),
+           bp._gemm("head", [GemmJob(q4, x, y)], n_rows=A.reserve("n", (1,), np.int32))]
+    preps = [op[5] for op in ops]
+    assert [len(p) for p in preps] == [2, 1, 1, 0, 0, 0]
+    assert preps[0][0][2] is preps[1][0][2] and preps[0][1][0] is x2 and preps[2][0][2].bk == 128
+    assert preps[0][0][2].max_rows == 300 and preps[0][0][2].rows == 384
+    assert all(j.xs is not None for j in ops[0][3]) and all(j.xs is None for op in ops[3:] for j in op[3])
+    assert len(bp._xsplits) == 3
 
 
 @both_rigs

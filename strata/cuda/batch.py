@@ -18,6 +18,8 @@ i32, wts (rows, k); pairs: pair_tok, pair_of i32 (rows*k), h (rows*k, Fp), out (
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from strata.cuda import driver as drv
@@ -125,12 +127,31 @@ class BatchPath:
             self.ple_e = R("b.ple_e", (Tm, cfg.ple_dim))
             self.ple_key = R("b.ple_key_raw", (Tm, cfg.hc_dim))
             self.ple_value = R("b.ple_value", (Tm, E))
+        self._xsplits: dict = {}
         self._ops = self._plan_ops()
 
     def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
-        """A GEMM op: its job table reserved now, its launches (one per bucket) built later."""
+        """A GEMM op: its job table reserved now, its launches (one per bucket) built later. With GEMM_XPREP (gemm.py
+        XPREP) a step's plain jobs read their rows split once by x_split launches ahead of the GEMM (one per
+        distinct x, into a buffer per x, input length and k-chunk that every op of the step reuses)."""
         table = kgemm.job_table(name + ".gemm_jobs", len(jobs), self.be.A.reserve)
-        return ("gemm", name, table, jobs, n_rows)
+        preps: list = []
+        if kgemm.XPREP and n_rows is None and all(j.w2 is None and j.xrow is None for j in jobs):
+            bk = kgemm.chunk_k([j.w.qtype for j in jobs])
+            jobs = [self._prepared(j, bk, preps) for j in jobs]
+        return ("gemm", name, table, jobs, n_rows, preps)
+
+    def _prepared(self, j: GemmJob, bk: int, preps: list) -> GemmJob:
+        ldx = j.ldx or j.w.n_in
+        key = (id(j.x), ldx, j.w.n_in, bk)
+        xs = self._xsplits.get(key)
+        if xs is None:
+            buf = self.be.A.reserve(f"b.xsplit.{len(self._xsplits)}", (kgemm.xsplit_bytes(j.w.n_in, bk, self.rows),),
+                                    U8)
+            xs = self._xsplits[key] = kgemm.XSplit(buf, j.w.n_in, bk, self.rows)
+        if all(q is not xs for _, _, q in preps):
+            preps.append((j.x, ldx, xs))
+        return dataclasses.replace(j, xs=xs)
 
     def _plan_ops(self) -> dict:
         """Per stage, the ops of begin, pre[l], post[l] and head: ('gemm', ...) or ('k', builder(rows))."""
@@ -279,10 +300,12 @@ class BatchPath:
             if op[0] == "k":
                 got = op[1](rows)
                 return list(got) if isinstance(got, tuple) else [got]
-            _, name, table, jobs, n_rows = op
+            _, name, table, jobs, n_rows, preps = op
             n_rows = n_rows or self.n_T
-            launch = kgemm.gemm_launch(lambda n: K.fn("gemm", n), name, table, jobs, n_rows, rows)
-            return [launch]
+            fn = lambda n: K.fn("gemm", n)
+            return [*(kgemm.xsplit_launch(fn, f"{name}.x_split{i}", x, ldx, xs, n_rows, rows)
+                      for i, (x, ldx, xs) in enumerate(preps)),
+                    kgemm.gemm_launch(fn, name, table, jobs, n_rows, rows)]
 
         def stages(st, rows):
             return [(name, [x for op in ops for x in one(op, rows)]) for name, ops in st]

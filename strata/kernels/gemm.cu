@@ -2,7 +2,7 @@
 // the GEMV takes, several matrices reading the same rows in one launch.
 #include "gemm.cuh"
 
-// Layout must match strata/kernels/gemm.py (GEMM_JOB_DTYPE): 80 bytes.
+// Layout must match strata/kernels/gemm.py (GEMM_JOB_DTYPE): 96 bytes.
 struct GemmJob {
     const u8* w;          // n_out rows of row_bytes
     const u8* w2;         // GLU partner, or null
@@ -13,6 +13,8 @@ struct GemmJob {
     i32 ldx, ldy;
     i32 pad0, pad1;       // (a job's first M tile is counted on the device: the tile's BM differs by bucket of
                           // rows, and one table serves every bucket)
+    const u8* xs;         // x as x_split prepared it for this launch's k-chunk (null: the tile splits x)
+    i32 xs_rows, pad2;    // rows of xs's planes
 };
 
 // Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN)); the step's row count is device
@@ -30,7 +32,7 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
     const GemmJob J = jobs[j];
     const int m0 = ((int)blockIdx.x - cta0) * BM;
     gemm_tile<MAY_GLU, BK, MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out,
-                                           m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy);
+                                           m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy, J.xs, J.xs_rows);
 }
 
 // BN = 128 (prefill chunks' plain jobs: 64 weight rows a tile), BN = 64 (GLU jobs, or GEMM_WIDE_N=0) and BN = 16
@@ -54,3 +56,25 @@ GEMM_JOBS(gemm_jobs16_k64_glu, true, 64, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs16_k128_glu, true, 128, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs64_k64_glu, true, 64, 2, 4, 2, 2)
 GEMM_JOBS(gemm_jobs64_k128_glu, true, 128, 2, 4, 2, 2)
+
+// A launch's step rows split once for all its M tiles (gemm.py GEMM_XPREP; the wgmma tile's Layout): per k-chunk c
+// of x (rows, ldx), xs holds the hi plane and the lo plane of xs_rows rows each, then their shifts (int32); rows
+// past *n_rows are zeros. grid (ceil(rows / 64), chunks), GM_THREADS threads: load_x's split, into device memory.
+template <int BK>
+__device__ __forceinline__ void x_split_body(const float* __restrict__ x, int ldx, int n_in,
+                                             const i32* __restrict__ n_rows, u8* xs, int xs_rows) {
+    pdl_begin();
+    const size_t plane = (size_t)xs_rows * 2 * BK;
+    u8* c = xs + (size_t)blockIdx.y * (2 * plane + 4 * (size_t)xs_rows);
+    const int n0 = (int)blockIdx.x * 64;
+    load_x<BK, 64>(x, ldx, nullptr, n0, *n_rows, (int)blockIdx.y * BK, n_in, (float*)(c + (size_t)(n0 / 8) * 16 * BK),
+                   (int*)(c + 2 * plane) + n0, (int)plane);
+}
+
+#define X_SPLIT(BK)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS) x_split_k##BK(                                  \
+        const float* __restrict__ x, int ldx, int n_in, const i32* __restrict__ n_rows, u8* xs, int xs_rows) { \
+        x_split_body<BK>(x, ldx, n_in, n_rows, xs, xs_rows);                                                  \
+    }
+X_SPLIT(64)
+X_SPLIT(128)

@@ -140,6 +140,11 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #define GEMM_STAGES 1
 #endif
 #define GM_STAGES (GM_WG ? GEMM_STAGES : 1)
+// GEMM_XPREP=1: a job's step rows may come prepared by x_split (gemm.cu; gemm.py XPREP has the batched step use
+// it). A build option, not only a job's: the branch costs the tiles 40-100 bytes of spills where no job takes it.
+#ifndef GEMM_XPREP
+#define GEMM_XPREP 0
+#endif
 
 // Where a tile's element (r, k) of a k-chunk lives in shared memory: the byte offset of its hi half from the tile's
 // start (off), and how much further its lo half is (lo, for a tile of R rows).
@@ -341,13 +346,13 @@ __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, 
     for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;                                   // f16 NaNs
 }
 
-// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows); zeros outside; shift[n] each
-// row's power of two. TPR adjacent threads a row (GM_THREADS / BN, at least 2: 128-row tiles go in two passes of
+// X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows; the lo halves lo bytes after the
+// hi ones); zeros outside; shift[n] each row's power of two. TPR adjacent threads a row (GM_THREADS / BN, at least 2: 128-row tiles go in two passes of
 // 64), each taking every TPR-th float4, so a warp's loads cover whole 32-byte sectors of its rows. Rows whose
 // stride or start is not 16-byte aligned are read a float at a time.
 template <int BK, int BN>
 __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow, int n0, int nrows, int k0, int n_in,
-                                       float* Xs, int* shift) {
+                                       float* Xs, int* shift, int lo = Layout<BK>::lo(BN)) {
     constexpr int TPR = GM_THREADS / BN > 2 ? GM_THREADS / BN : 2, PASS = GM_THREADS / TPR, NV = BK / 4 / TPR;
     static_assert(BN % PASS == 0 && NV >= 1 && TPR <= 32, "load_x: threads per row");
     const bool vec = (ldx & 3) == 0 && ((unsigned long long)x & 15) == 0;     // 16-byte rows: float4 loads
@@ -381,14 +386,32 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
         const float f = pow2f(s);
 #pragma unroll
         for (int i = 0; i < NV; i++) {
-            uint2 hi, lo;
-            split4(scale4(v[i], f), hi, lo);
+            uint2 hi, lo_;
+            split4(scale4(v[i], f), hi, lo_);
             const int at = Layout<BK>::off(n, 4 * (h + TPR * i));
             *(uint2*)((u8*)Xs + at) = hi;
-            *(uint2*)((u8*)Xs + Layout<BK>::lo(BN) + at) = lo;
+            *(uint2*)((u8*)Xs + lo + at) = lo_;
         }
         if (h == 0) shift[n] = s;
     }
+}
+
+// Prepared step rows (x_split, gemm.cu: a launch's x split once instead of once per M tile): chunk k0 / BK is the
+// hi plane, the lo plane (xs_rows rows each, in Layout's wgmma order) and the rows' shifts; rows [n0, n0 + BN) of a
+// plane are one contiguous span (n0 is a multiple of 8), copied into Xs with cp.async.
+template <int BK, int BN>
+__device__ __forceinline__ void copy_x(const u8* xs, int xs_rows, int n0, int k0, float* Xs, int* shift) {
+    const size_t plane = (size_t)xs_rows * 2 * BK;
+    const u8* c = xs + (size_t)(k0 / BK) * (2 * plane + 4 * (size_t)xs_rows);
+    const u8* src = c + (size_t)(n0 / 8) * 16 * BK;
+    constexpr int N16 = BN * 2 * BK / 16;               // 16-byte pieces of a plane's rows
+    const int dst = (int)((u8*)Xs - SMEM);
+    for (int i = threadIdx.x; i < 2 * N16; i += GM_THREADS) {
+        const int pl = i / N16, j = i % N16;
+        cp_async16(dst + pl * Layout<BK>::lo(BN) + 16 * j, src + pl * plane + 16 * j);
+    }
+    for (int i = threadIdx.x; i < BN; i += GM_THREADS) shift[i] = ((const int*)(c + 2 * plane))[n0 + i];
+    stage_wait();
 }
 
 // A k-chunk's wgmma, issued: per k-step and m64 block, lo(W) hi(X), hi(W) lo(X), hi(W) hi(X), the first of the
@@ -417,14 +440,16 @@ __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&p
 
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
-// GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN).
+// GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN). xp: the step rows prepared
+// by x_split (the wgmma tile copies them in a GEMM_XPREP build; otherwise, and on the mma.sync tile, whose layout
+// differs, the tile splits x itself).
 // mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
 // all BN columns, warp w rows 16w .. 16w + 15 of each; its accumulator fragment is mma.sync's m16n8 one for each
 // 8 columns, so the two paths share the epilogue with (MX, NX) the m16-or-m64 blocks and n8 tiles a thread holds.
 template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
-                                          int n0, float* y, int ldy) {
+                                          int n0, float* y, int ldy, const u8* xp = nullptr, int xp_rows = 0) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4;
     static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
@@ -451,7 +476,10 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         if (glu)
             deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, (float*)((u8*)Ws2 + o), BM,
                          (int*)((u8*)sh_w2 + o));
-        load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, (float*)((u8*)Xs + o), (int*)((u8*)sh_x + o));
+        if (GM_WG && GEMM_XPREP && xp != nullptr)
+            copy_x<BK, BN>(xp, xp_rows, n0, k0, (float*)((u8*)Xs + o), (int*)((u8*)sh_x + o));
+        else
+            load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, (float*)((u8*)Xs + o), (int*)((u8*)sh_x + o));
     };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes

@@ -30,6 +30,12 @@ WIDE_N = define("GEMM_WIDE_N", 1)
 # MMAs inside the CTA); the mma.sync tile (GEMM_WGMMA=0) has one. A GPU of another compute capability than 9.0
 # builds the mma.sync tile whatever the define says, and leaves a second stage unused.
 STAGES = define("GEMM_STAGES", 1) if define("GEMM_WGMMA", 1) else 1
+# GEMM_XPREP=1: the batched step's plain GEMM launches read their step rows split once by x_split (xsplit_launch)
+# instead of splitting them in every M tile: ~40% of a wgmma tile's instructions a chunk (bench/GPU_NOTES.md).
+# The same define builds the tiles' copy of prepared rows (gemm.cuh); wgmma tiles only (the mma.sync tile's
+# layout differs: it ignores them and splits x itself).
+XPREP = define("GEMM_XPREP", 0) if define("GEMM_WGMMA", 1) else 0
+XS_ROW_ALIGN = 128      # xs planes' rows: a multiple of every tile's BN
 
 
 def chunk_k(types) -> int:
@@ -64,12 +70,12 @@ def smem_bytes(bk: int, bn: int, bm: int, glu: bool) -> int:
     then the rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
     return STAGES * (((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4)
 
-# struct GemmJob (gemm.cu), 80 bytes
+# struct GemmJob (gemm.cu), 96 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
                            ("type", "<i4"), ("type2", "<i4"), ("n_in", "<i4"), ("n_out", "<i4"),
                            ("row_bytes", "<i4"), ("row_bytes2", "<i4"), ("ldx", "<i4"), ("ldy", "<i4"),
-                           ("pad0", "<i4"), ("pad1", "<i4")])
-assert GEMM_JOB_DTYPE.itemsize == 80
+                           ("pad0", "<i4"), ("pad1", "<i4"), ("xs", "<u8"), ("xs_rows", "<i4"), ("pad2", "<i4")])
+assert GEMM_JOB_DTYPE.itemsize == 96
 
 
 @dataclass
@@ -84,6 +90,38 @@ class GemmJob:
     xrow: DevArray | None = None
     ldx: int | None = None
     ldy: int | None = None
+    xs: "XSplit | None" = None        # x split once for the launch (xsplit_launch), in the launch's k-chunk
+
+
+@dataclass
+class XSplit:
+    """A buffer of x_split's planes: x (rows, ldx) over n_in inputs, split in k-chunks of bk for buckets of up to
+    max_rows rows."""
+    buf: DevArray
+    n_in: int
+    bk: int
+    max_rows: int
+
+    @property
+    def rows(self) -> int:
+        return -(-self.max_rows // XS_ROW_ALIGN) * XS_ROW_ALIGN
+
+
+def xsplit_bytes(n_in: int, bk: int, max_rows: int) -> int:
+    """x_split's output: per k-chunk, the hi and lo planes (2 bk bytes a row each) and the rows' int32 shifts."""
+    rows = -(-max_rows // XS_ROW_ALIGN) * XS_ROW_ALIGN
+    return -(-n_in // bk) * rows * (4 * bk + 4)
+
+
+def xsplit_launch(fn_of, name: str, x: DevArray, ldx: int, xs: XSplit, n_rows: DevArray, rows: int) -> Launch:
+    """x_split of a bucket of up to `rows` rows (the live count: n_rows, device data) into xs."""
+    if not 0 < rows <= xs.max_rows:
+        raise ValueError(f"{name}: {rows} rows for a split of at most {xs.max_rows}")
+    need(x, name + " x", (rows - 1) * ldx + xs.n_in)
+    need(xs.buf, name + " split", xsplit_bytes(xs.n_in, xs.bk, xs.max_rows), np.uint8)
+    need(n_rows, name + " n_rows", 1, np.int32)
+    return Launch(fn_of(f"x_split_k{xs.bk}"), name, (-(-rows // 64), -(-xs.n_in // xs.bk)), (THREADS,), 0,
+                  [P(x), I(ldx), I(xs.n_in), P(n_rows), P(xs.buf), I(xs.rows)])
 
 
 def shape_for(max_rows: int, glu: bool = False, n_out: int = WIDE_OUT) -> tuple[str, int]:
@@ -125,6 +163,13 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
         r["xrow"] = 0 if j.xrow is None else j.xrow.ptr
         r["type"], r["n_in"], r["n_out"], r["row_bytes"] = j.w.qtype, j.w.n_in, j.w.n_out, j.w.row_bytes
         r["ldx"], r["ldy"] = ldx, ldy
+        if j.xs is not None:
+            if j.xrow is not None or j.w2 is not None or (j.xs.n_in, j.xs.bk) != (j.w.n_in, bk) or \
+                    j.xs.max_rows < max_rows:
+                raise ValueError(f"{what}: x split for {j.xs.n_in} inputs in chunks of {j.xs.bk} up to "
+                                 f"{j.xs.max_rows} rows; the job needs {j.w.n_in} in {bk} up to {max_rows}, no "
+                                 f"gather, no GLU")
+            r["xs"], r["xs_rows"] = j.xs.buf.ptr, j.xs.rows
         if j.w2 is not None:
             _check_mat(j.w2, what + " (GLU partner)")
             if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
@@ -139,7 +184,8 @@ def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: 
     need(n_rows, name + " n_rows", 1, np.int32)
     rows, tiles, smem, kernel = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
-        raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 80} jobs, {len(jobs)} given")
+        raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // GEMM_JOB_DTYPE.itemsize} jobs, "
+                         f"{len(jobs)} given")
     table.upload(rows.view(np.uint8))
     _, bn = shape_for(max_rows, any(j.w2 is not None for j in jobs), min(j.w.n_out for j in jobs))
     return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
