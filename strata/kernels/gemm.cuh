@@ -347,9 +347,9 @@ __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, 
 }
 
 // X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows; the lo halves lo bytes after the
-// hi ones); zeros outside; shift[n] each row's power of two. TPR adjacent threads a row (GM_THREADS / BN, at least 2: 128-row tiles go in two passes of
-// 64), each taking every TPR-th float4, so a warp's loads cover whole 32-byte sectors of its rows. Rows whose
-// stride or start is not 16-byte aligned are read a float at a time.
+// hi ones); zeros outside; shift[n] each row's power of two. TPR adjacent threads a row (GM_THREADS / BN, at least
+// 2: 128-row tiles go in two passes of 64), each taking every TPR-th float4, so a warp's loads cover whole 32-byte
+// sectors of its rows. Rows whose stride or start is not 16-byte aligned are read a float at a time.
 template <int BK, int BN>
 __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow, int n0, int nrows, int k0, int n_in,
                                        float* Xs, int* shift, int lo = Layout<BK>::lo(BN)) {
