@@ -230,3 +230,48 @@ def test_pick_in_two_levels_is_the_inverse_cdf():
         want = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
         want = want if p[want] > 0 else int(np.flatnonzero(p)[-1])
         assert got == want and p[got] > 0, (u, got, want)
+
+
+def test_penalties_equal_the_whole_vocabulary_formula():
+    """_penalize touches only the prompt's and the output's tokens: the logits it gives equal, bit for bit, the
+    formula over the whole vocabulary (repetition on every seen token, then frequency and presence on every
+    generated one), step after step."""
+    rng = np.random.default_rng(11)
+    n = 5000
+    for kw in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.4, presence_penalty=-0.7),
+               dict(repetition_penalty=0.8, frequency_penalty=-1.1, presence_penalty=0.5)):
+        prompt = rng.integers(0, n, 60)
+        s = Sampler(SamplingParams(temperature=1.0, seed=5, **kw), prompt=prompt)
+        counts, seen = np.zeros(n, np.int64), np.zeros(n, bool)
+        seen[prompt] = True
+        for _ in range(40):
+            z = (rng.standard_normal(n) * 3).astype(np.float32)
+            want = z.astype(np.float64)
+            if s.p.repetition_penalty != 1:
+                rp = s.p.repetition_penalty
+                want = np.where(seen, np.where(want > 0, want / rp, want * rp), want)
+            want = want - s.p.frequency_penalty * counts - s.p.presence_penalty * (counts > 0)
+            assert np.array_equal(s._penalize(z.astype(np.float64)), want), kw
+            tok = s(z)
+            counts[tok] += 1
+            seen[tok] = True
+
+
+def test_logprobs_equal_the_whole_log_softmax():
+    """token_logprobs forms only the values it returns: equal, bit for bit, to the log-softmax of the whole row
+    (float64, maximum subtracted) and its k largest by (-logprob, id), ties included."""
+    from strata.sampling import token_logprobs
+    rng = np.random.default_rng(12)
+    for trial in range(30):
+        z = (rng.standard_normal(3000) * rng.choice([0.1, 2.0, 20.0])).astype(np.float32)
+        if trial % 2:
+            z = np.round(z, 1)
+        zz = z.astype(np.float64)
+        zz -= zz.max()
+        lp = zz - np.log(np.exp(zz).sum())
+        tok = int(rng.integers(0, z.size))
+        for k in (0, 1, 5, 20):
+            order = np.lexsort((np.arange(z.size), -lp))[:k]
+            got = token_logprobs(z, tok, k)
+            assert got.logprob == lp[tok]
+            assert [i for i, _ in got.top] == order.tolist() and [v for _, v in got.top] == lp[order].tolist()
