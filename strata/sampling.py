@@ -141,13 +141,13 @@ def _top_p_prefix(probs: np.ndarray, top_p: float) -> np.ndarray:
     vocabulary."""
     n, m = probs.size, TOP_P_FIRST
     if m >= n:
-        order = np.argsort(-probs, kind="stable")
-        return np.sort(order[np.cumsum(probs[order]) - probs[order] < top_p])
-    thr = np.partition(probs, n - m)[n - m]              # the m-th largest: every tie with it is a candidate
-    cand = np.flatnonzero(probs >= thr)
+        cand = np.arange(n)
+    else:
+        thr = np.partition(probs, n - m)[n - m]          # the m-th largest: every tie with it is a candidate
+        cand = np.flatnonzero(probs >= thr)
     order = cand[np.argsort(-probs[cand], kind="stable")]
     mass = np.cumsum(probs[order])
-    if mass[-1] >= top_p:
+    if m >= n or mass[-1] >= top_p:
         return np.sort(order[mass - probs[order] < top_p])
     return _top_p_by_bins(np.asarray(probs, np.float64), top_p)
 

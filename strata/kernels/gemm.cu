@@ -64,11 +64,10 @@ template <int BK>
 __device__ __forceinline__ void x_split_body(const float* __restrict__ x, int ldx, int n_in,
                                              const i32* __restrict__ n_rows, u8* xs, int xs_rows) {
     pdl_begin();
-    const size_t plane = (size_t)xs_rows * 2 * BK;
-    u8* c = xs + (size_t)blockIdx.y * (2 * plane + 4 * (size_t)xs_rows);
+    const XsChunk<BK> c(xs, xs_rows, (int)blockIdx.y);
     const int n0 = (int)blockIdx.x * 64;
-    load_x<BK, 64>(x, ldx, nullptr, n0, *n_rows, (int)blockIdx.y * BK, n_in, (float*)(c + (size_t)(n0 / 8) * 16 * BK),
-                   (int*)(c + 2 * plane) + n0, (int)plane);
+    load_x<BK, 64>(x, ldx, nullptr, n0, *n_rows, (int)blockIdx.y * BK, n_in, (float*)c.hi(n0), c.shift(n0),
+                   (int)c.plane);
 }
 
 #define X_SPLIT(BK)                                                                                           \

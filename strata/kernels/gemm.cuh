@@ -396,21 +396,32 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
     }
 }
 
-// Prepared step rows (x_split, gemm.cu: a launch's x split once instead of once per M tile): chunk k0 / BK is the
-// hi plane, the lo plane (xs_rows rows each, in Layout's wgmma order) and the rows' shifts; rows [n0, n0 + BN) of a
-// plane are one contiguous span (n0 is a multiple of 8), copied into Xs with cp.async.
+// Step rows prepared by x_split (gemm.cu: a launch's x split once instead of once per M tile): per k-chunk c, the
+// hi plane, the lo plane (xs_rows rows each, in Layout's wgmma order) and the rows' shifts. Rows [n0, n0 + BN) of
+// a plane are one contiguous span from hi(n0) (n0 a multiple of 8).
+template <int BK>
+struct XsChunk {
+    u8* base;
+    size_t plane;           // bytes of a plane: the lo plane is this far after the hi one
+    __device__ __forceinline__ XsChunk(const u8* xs, int xs_rows, int c)
+        : base((u8*)xs + (size_t)c * ((size_t)xs_rows * 4 * BK + 4 * (size_t)xs_rows)),
+          plane((size_t)xs_rows * 2 * BK) {}
+    __device__ __forceinline__ u8* hi(int n0) const { return base + (size_t)(n0 / 8) * 16 * BK; }
+    __device__ __forceinline__ int* shift(int n0) const { return (int*)(base + 2 * plane) + n0; }
+};
+
+// Rows [n0, n0 + BN) of chunk k0 / BK of x_split's planes into Xs (cp.async) and their shifts into shift.
 template <int BK, int BN>
 __device__ __forceinline__ void copy_x(const u8* xs, int xs_rows, int n0, int k0, float* Xs, int* shift) {
-    const size_t plane = (size_t)xs_rows * 2 * BK;
-    const u8* c = xs + (size_t)(k0 / BK) * (2 * plane + 4 * (size_t)xs_rows);
-    const u8* src = c + (size_t)(n0 / 8) * 16 * BK;
+    const XsChunk<BK> c(xs, xs_rows, k0 / BK);
+    const u8* src = c.hi(n0);
     constexpr int N16 = BN * 2 * BK / 16;               // 16-byte pieces of a plane's rows
     const int dst = (int)((u8*)Xs - SMEM);
     for (int i = threadIdx.x; i < 2 * N16; i += GM_THREADS) {
         const int pl = i / N16, j = i % N16;
-        cp_async16(dst + pl * Layout<BK>::lo(BN) + 16 * j, src + pl * plane + 16 * j);
+        cp_async16(dst + pl * Layout<BK>::lo(BN) + 16 * j, src + pl * c.plane + 16 * j);
     }
-    for (int i = threadIdx.x; i < BN; i += GM_THREADS) shift[i] = ((const int*)(c + 2 * plane))[n0 + i];
+    for (int i = threadIdx.x; i < BN; i += GM_THREADS) shift[i] = c.shift(n0)[i];
     stage_wait();
 }
 
@@ -469,17 +480,17 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const int rbase = GM_WG ? 16 * warp : (warp % WM) * MT * 16, rstep = GM_WG ? 64 : 16;
     const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
     const int mrows = min(BM, n_out - m0);
+    // p in stage s: the same buffer o = s * stage bytes further
+    auto in = [&](auto* p, int o) { return (decltype(p))((u8*)p + o); };
     // chunk k0's weights and rows into stage s
     auto load = [&](int k0, int s) {
         const int o = s * stage;
-        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, (float*)((u8*)Ws + o), BM, (int*)((u8*)sh_w + o));
-        if (glu)
-            deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, (float*)((u8*)Ws2 + o), BM,
-                         (int*)((u8*)sh_w2 + o));
+        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, in(Ws, o), BM, in(sh_w, o));
+        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, in(Ws2, o), BM, in(sh_w2, o));
         if (GM_WG && GEMM_XPREP && xp != nullptr)
-            copy_x<BK, BN>(xp, xp_rows, n0, k0, (float*)((u8*)Xs + o), (int*)((u8*)sh_x + o));
+            copy_x<BK, BN>(xp, xp_rows, n0, k0, in(Xs, o), in(sh_x, o));
         else
-            load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, (float*)((u8*)Xs + o), (int*)((u8*)sh_x + o));
+            load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, in(Xs, o), in(sh_x, o));
     };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes
@@ -512,11 +523,10 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         }
 #if GM_WG
         wg_fence();
-        const float *cw = (float*)((u8*)Ws + o), *cw2 = (float*)((u8*)Ws2 + o), *cx = (float*)((u8*)Xs + o);
         if (glu)
-            wg_chunk<BK, MX, BN, 2>(part, part2, cw, cw2, cx, BM);
+            wg_chunk<BK, MX, BN, 2>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
         else
-            wg_chunk<BK, MX, BN, 1>(part, part2, cw, cw2, cx, BM);
+            wg_chunk<BK, MX, BN, 1>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
         wg_commit();
         if (GM_STAGES == 2 && k0 + BK < n_in) {     // the next chunk, while the tensor cores read this one
             load(k0 + BK, s ^ 1);
@@ -575,13 +585,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
         for (int j = 0; j < NX; j++)
 #pragma unroll
-            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-((int*)((u8*)sh_x + o))[cbase + j * 8 + 2 * t + c]);
+            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-in(sh_x, o)[cbase + j * 8 + 2 * t + c]);
 #pragma unroll
         for (int i = 0; i < MX; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const float fw = pow2f(-((int*)((u8*)sh_w + o))[rbase + i * rstep + g + 8 * r]);
-                const float fw2 = glu ? pow2f(-((int*)((u8*)sh_w2 + o))[rbase + i * rstep + g + 8 * r]) : 0.0f;
+                const float fw = pow2f(-in(sh_w, o)[rbase + i * rstep + g + 8 * r]);
+                const float fw2 = glu ? pow2f(-in(sh_w2, o)[rbase + i * rstep + g + 8 * r]) : 0.0f;
 #pragma unroll
                 for (int j = 0; j < NX; j++)
 #pragma unroll

@@ -104,13 +104,17 @@ class XSplit:
 
     @property
     def rows(self) -> int:
-        return -(-self.max_rows // XS_ROW_ALIGN) * XS_ROW_ALIGN
+        return xsplit_rows(self.max_rows)
+
+
+def xsplit_rows(max_rows: int) -> int:
+    """Rows of x_split's planes for steps of up to max_rows rows."""
+    return -(-max_rows // XS_ROW_ALIGN) * XS_ROW_ALIGN
 
 
 def xsplit_bytes(n_in: int, bk: int, max_rows: int) -> int:
     """x_split's output: per k-chunk, the hi and lo planes (2 bk bytes a row each) and the rows' int32 shifts."""
-    rows = -(-max_rows // XS_ROW_ALIGN) * XS_ROW_ALIGN
-    return -(-n_in // bk) * rows * (4 * bk + 4)
+    return -(-n_in // bk) * xsplit_rows(max_rows) * (4 * bk + 4)
 
 
 def xsplit_launch(fn_of, name: str, x: DevArray, ldx: int, xs: XSplit, n_rows: DevArray, rows: int) -> Launch:
