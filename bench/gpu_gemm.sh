@@ -4,6 +4,8 @@
 # as n_in grows) and bench/bench_gemm.py (time per launch at 512 and 4096 rows). Logs: $OUT/gemm_<n>_*.log.
 #   VARIANTS=";NAME=VALUE OTHER=VALUE" bash bench/gpu_gemm.sh   (the default build, then one with those -D defines)
 #   FIRST_TESTS_ONLY=1: the tests for the first variant only (the others timed and checked by gemm_accuracy.py)
+#   ALL_TESTS=1: the first variant's tests are every CUDA test (tests/test_cuda_kernels.py, tests/test_cuda_backend.py),
+#   not only the GEMM ones, run while the model file is made
 #   MODEL=models/flash-realistic.gguf: also a 4096-row prefill chunk of that file per variant, stage by stage and as
 #   the whole-step graph (bench_prefill_gpu.py; the file is made first when missing: flash preset, realistic mix
 #   and routing, ~2 minutes)
@@ -20,11 +22,18 @@ n=0
 IFS=';' read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
 for v in "${variants[@]}"; do
-    echo "== defines: '${v}'"
+    echo "== defines: '${v}' (at ${SECONDS} s)"
     export STRATA_KERNEL_DEFINES="$v"
     if [ $n -eq 0 ] || [ -z "${FIRST_TESTS_ONLY:-}" ]; then
-        python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "gemm or grouped" 2>&1 | tee "$out/gemm_${n}_tests.log" \
-            | grep -E "passed|failed|Error|assert" | tail -8
+        if [ $n -eq 0 ] && [ -n "${ALL_TESTS:-}" ]; then
+            python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
+                | grep -E "FAILED|Error|passed|failed" | tail -25
+            python3 -m pytest -q -rs tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" \
+                | grep -E "FAILED|Error|passed|failed" | tail -12
+        else
+            python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "gemm or grouped" 2>&1 \
+                | tee "$out/gemm_${n}_tests.log" | grep -E "passed|failed|Error|assert" | tail -8
+        fi
     fi
     python3 bench/gemm_accuracy.py 2>&1 | tee "$out/gemm_${n}_accuracy.log"
     python3 bench/bench_gemm.py --rows "${ROWS:-512,4096}" --reps 5 2>&1 | tee "$out/gemm_${n}_time.log"
