@@ -1,6 +1,8 @@
 """Where a batched prefill step's time goes on the GPU (every weight in VRAM): a prompt fed in chunks of T rows
 through the CUDA backend's batched path, each chunk stage by stage with an event between stages (eager launches,
-so the parts sum to the total; the captured whole-step graph is timed too, on the same chunk sizes).
+so the parts sum to the total; the captured whole-step graph is timed too, on the same chunk sizes). --launches
+adds a third pass with an event after every launch: ms per chunk by stage and launch name summed over the layers
+(which GEMM, the GDN scan, QSA attention), the largest first.
 
     python3 bench/bench_prefill_gpu.py [--model models/flash.gguf] [--chunks 512,4096] [--tokens 8192]
 
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--model", default="models/flash.gguf")
     ap.add_argument("--chunks", default="512,4096", help="rows per step")
     ap.add_argument("--tokens", type=int, default=8192, help="prompt tokens fed per chunk size")
+    ap.add_argument("--launches", type=int, default=0, metavar="N",
+                    help="also time every launch alone and print the N largest (0: not)")
     a = ap.parse_args()
     model = load_model(a.model)
     cfg, W = model.cfg, model.weights
@@ -41,7 +45,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     try:
         for T in sizes:
-            for mode in ("whole", "stages"):
+            for mode in ("whole", "stages") + (("launches",) if a.launches else ()):
                 seq = be.new_seq()
                 window = NgramWindow.start(cfg) if cfg.ple_layers else None
                 times, stages = [], defaultdict(float)
@@ -53,8 +57,8 @@ def main() -> None:
                     if window is not None:
                         e = ple_gather(W.per_layer_token_embd, ple_rows(cfg, toks, window))
                         window.advance_all(cfg, toks)
-                    if mode == "stages":
-                        got = be.timed_step(step, e)
+                    if mode != "whole":
+                        got = be.timed_step(step, e, per_launch=mode == "launches")
                         if c:                                   # the first chunk is the warm-up
                             for label, ms in got:
                                 stages[label] += ms / (n_chunks - 1)
@@ -71,10 +75,17 @@ def main() -> None:
                 med = float(np.median(times))
                 print(f"chunk {T:5d} {mode:6s}: {med:8.2f} ms per chunk, {T / med * 1e3:8.1f} tok/s "
                       f"(median of {len(times)} chunks after a warm-up, positions 0-{n_chunks * T})", flush=True)
-                if mode == "stages":
-                    for label, ms in sorted(stages.items(), key=lambda kv: -kv[1]):
-                        print(f"    {label:16s} {ms:8.2f} ms  {ms / sum(stages.values()) * 100:5.1f}%")
-                    print(f"    {'sum':16s} {sum(stages.values()):8.2f} ms (the eager total per chunk)")
+                if mode != "whole":
+                    shown = sorted(stages.items(), key=lambda kv: -kv[1])
+                    if mode == "launches":
+                        shown = shown[:a.launches]
+                    total = sum(stages.values())
+                    for label, ms in shown:
+                        print(f"    {label:32s} {ms:8.2f} ms  {ms / total * 100:5.1f}%")
+                    rest = total - sum(ms for _, ms in shown)
+                    if rest:
+                        print(f"    {f'the other {len(stages) - len(shown)}':32s} {rest:8.2f} ms  {rest / total * 100:5.1f}%")
+                    print(f"    {'sum':32s} {total:8.2f} ms (the eager total per chunk)")
     finally:
         be.close()
 

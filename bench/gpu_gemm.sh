@@ -8,7 +8,7 @@
 #   not only the GEMM ones, run while the model file is made
 #   MODEL=models/flash-realistic.gguf: also a 4096-row prefill chunk of that file per variant, stage by stage and as
 #   the whole-step graph (bench_prefill_gpu.py; the file is made first when missing: flash preset, realistic mix
-#   and routing, ~2 minutes)
+#   and routing, ~2 minutes); LAUNCHES=N: the first variant's chunk also launch by launch, the N largest printed
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
@@ -39,8 +39,9 @@ for v in "${variants[@]}"; do
     python3 bench/bench_gemm.py --rows "${ROWS:-512,4096}" --reps 5 2>&1 | tee "$out/gemm_${n}_time.log"
     if [ -n "${MODEL:-}" ]; then
         wait                          # the model file, when it is being made
-        python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 --tokens 8192 2>&1 \
-            | tee "$out/gemm_${n}_prefill.log" | grep -E "^chunk|experts|mixer|sum"
+        python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 --tokens 8192 \
+            $([ $n -eq 0 ] && echo "--launches ${LAUNCHES:-0}") 2>&1 \
+            | tee "$out/gemm_${n}_prefill.log" | grep -E "^chunk|^    "
     fi
     n=$((n + 1))
 done

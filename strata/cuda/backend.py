@@ -1599,9 +1599,9 @@ class CudaBackend:
         return out
 
     @_guarded
-    def timed_step(self, step: Step, e: np.ndarray | None) -> list[tuple[str, float]]:
-        """A batched step (experts='vram') stage by stage with events between stages: [(label, ms)] whose sum is
-        this run's total (bench/bench_prefill_gpu.py). Synchronizes: measurement only."""
+    def timed_step(self, step: Step, e: np.ndarray | None, per_launch: bool = False) -> list[tuple[str, float]]:
+        """A batched step (experts='vram') stage by stage (per_launch: launch by launch) with events between them:
+        [(label, ms)] whose sum is this run's total (bench/bench_prefill_gpu.py). Synchronizes: measurement only."""
         seq = self._step_seq(step, "timed_step")
         if step.T < 2 or self.experts != "vram":
             raise BackendError("timed_step: a batched step (T > 1) with experts='vram'")
@@ -1609,7 +1609,7 @@ class CudaBackend:
         self._stage_rows(seq, step, "timed_step")
         if self.cfg.ple_layers:
             self._stage_ple(seq, np.asarray(e, F32).reshape(step.T, -1), step.T, "timed_step")
-        out = self.batch.timed(self.batch.bucket(step.T))
+        out = self.batch.timed(self.batch.bucket(step.T), per_launch)
         seq.pos += step.T
         self._ring += self.cfg.n_layer
         return out

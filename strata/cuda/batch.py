@@ -19,6 +19,7 @@ i32, wts (rows, k); pairs: pair_tok, pair_of i32 (rows*k), h (rows*k, Fp), out (
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -361,16 +362,22 @@ class BatchPath:
             ls = self.launches[b][key]
             self._enq(ls if il is None else ls[il])
 
-    def timed(self, b: int) -> list[tuple[str, float]]:
+    def timed(self, b: int, per_launch: bool = False) -> list[tuple[str, float]]:
         """The staged step through bucket b's launches stage by stage with an event between stages (eager, no
-        doorbell): [(label, ms)] summing to the run's total, labels 'begin', 'gdn:mixer', 'qsa:experts', 'head'.
-        Synchronizes: measurement only."""
+        doorbell): [(label, ms)] summing to the run's total, labels 'begin', 'gdn:mixer', 'qsa:experts', 'head';
+        per_launch: an event after every launch instead, labels 'gdn:mixer:gdn_proj' (the stage, then the launch's
+        name without its layer). Synchronizes: measurement only."""
         be, ls = self.be, self.launches[b]
         pre = ls.get("pre_tok", ls["pre"])
         parts = [("begin", ls["begin"])]
         for il in range(be.cfg.n_layer):
             kind = "gdn" if be.cfg.recurrent[il] else "qsa"
-            parts += [(f"{kind}:{name}", [(name, x)]) for name, x in pre[il] + ls["post"][il]]
+            for name, x in pre[il] + ls["post"][il]:
+                if per_launch:
+                    parts += [(f"{kind}:{name}:{re.sub(r'^b[.]blk[.][0-9]+[.]', '', launch.name)}", [(name, [launch])])
+                              for launch in x]
+                else:
+                    parts.append((f"{kind}:{name}", [(name, x)]))
         parts.append(("head", self.head))
         evs = [drv.Event(timing=True) for _ in range(len(parts) + 1)]
         try:
