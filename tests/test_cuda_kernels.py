@@ -1088,8 +1088,11 @@ def test_batch_prepares_each_x_once(monkeypatch):
 
 
 @both_rigs
-def test_gemm_glu_gather_and_jobs(rig):
-    """One launch: a GLU pair (Q4_K, Q6_K) over gathered rows, and a BF16 job; against float64."""
+@pytest.mark.parametrize("gt, ut", [(QType.Q4_K, QType.Q6_K), (QType.Q2_0, QType.Q6_K), (QType.Q2_0, QType.BF16)],
+                         ids=["Q4_K-Q6_K", "Q2_0-Q6_K", "Q2_0-BF16"])
+def test_gemm_glu_gather_and_jobs(rig, gt, ut):
+    """One launch: a GLU pair over gathered rows, and a BF16 job; against float64. The pairs: neither type exact
+    in f16, one (the tile then uses both weights' lo halves), both (two MMAs a product, no lo halves)."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(9)
     n_in, T = 512, 40
@@ -1098,9 +1101,9 @@ def test_gemm_glu_gather_and_jobs(rig):
     xb = rig.buf("x", X.shape, value=X)
     ib = rig.buf("idx", (T,), np.int32, perm)
     nr = rig.buf("n_rows", (1,), np.int32, [T])
-    rg, ru, rbf = (random_matrix(QType.Q4_K, 70, n_in, rng), random_matrix(QType.Q6_K, 70, n_in, rng),
+    rg, ru, rbf = (random_matrix(gt, 70, n_in, rng), random_matrix(ut, 70, n_in, rng),
                    random_matrix(QType.BF16, 33, n_in, rng, 0.05))
-    g, u, bf = (rig.mat("g", rg, QType.Q4_K, 70, n_in), rig.mat("u", ru, QType.Q6_K, 70, n_in),
+    g, u, bf = (rig.mat("g", rg, gt, 70, n_in), rig.mat("u", ru, ut, 70, n_in),
                 rig.mat("bf", rbf, QType.BF16, 33, n_in))
     y1, y2 = rig.buf("y1", (T, 70)), rig.buf("y2", (T, 40))
     table = kgemm.job_table("jobs", 2, rig.A.reserve)
@@ -1110,7 +1113,7 @@ def test_gemm_glu_gather_and_jobs(rig):
     rig.poison(y1, y2)
     rig.run(launch)
     deq = lambda r, q, n: dequantize(r, q).reshape(n, n_in).astype(np.float64)
-    a, b = X[perm].astype(np.float64) @ deq(rg, QType.Q4_K, 70).T, X[perm].astype(np.float64) @ deq(ru, QType.Q6_K, 70).T
+    a, b = X[perm].astype(np.float64) @ deq(rg, gt, 70).T, X[perm].astype(np.float64) @ deq(ru, ut, 70).T
     with np.errstate(over="ignore"):
         ref1 = a / (1 + np.exp(-a)) * b
     ref2 = X.astype(np.float64) @ deq(rbf, QType.BF16, 33).T

@@ -254,11 +254,24 @@ __device__ __forceinline__ void wg_pin(float& r) {
 #endif
 }
 
+// Weight formats whose values, scaled by a power of two into f16's range, are f16 numbers: Q2_0 (codes -1..2 times
+// an f16 scale), F16, BF16 (8-bit significands). Their lo halves are zero, except for a value that falls below f16's
+// normal range (2^-28 of its row's largest in the k-chunk, or less), which the hi half then keeps to 2^-25 of f16's
+// unit: far below the lo x lo product that 3xFP16 drops anyway. So a tile whose weights are all such writes no lo
+// halves and takes two MMAs a product, hi(W) lo(X) and hi(W) hi(X), instead of three.
+// GEMM_EXACT_W=0: every format takes three MMAs (for the same-call comparison).
+#ifndef GEMM_EXACT_W
+#define GEMM_EXACT_W 1
+#endif
+__device__ __forceinline__ bool f16_exact(int type) {
+    return GEMM_EXACT_W && (type == T_Q2_0 || type == T_F16 || type == T_BF16);
+}
+
 // The PPT consecutive threads that hold one row's values (PPT a power of 2 <= 32 dividing GM_THREADS, every
 // thread of the CTA calling): the row's shift from their maximum |v|, then each thread's 4-element runs split into
-// halves, run r's hi half at tile + at(r) and its lo half lo bytes further (Layout). Returns the shift.
+// halves, run r's hi half at tile + at(r) and, when wlo, its lo half lo bytes further (Layout). Returns the shift.
 template <int PPT, int NR, class At>
-__device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, int lo, At at) {
+__device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, int lo, bool wlo, At at) {
     float m = 0.0f;
 #pragma unroll
     for (int r = 0; r < NR; r++) m = absmax4(m, make_float4(v[4 * r], v[4 * r + 1], v[4 * r + 2], v[4 * r + 3]));
@@ -271,7 +284,7 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
         uint2 hi, lo_;
         split4(make_float4(v[4 * r] * f, v[4 * r + 1] * f, v[4 * r + 2] * f, v[4 * r + 3] * f), hi, lo_);
         *(uint2*)(tile + at(r)) = hi;
-        *(uint2*)(tile + lo + at(r)) = lo_;
+        if (wlo) *(uint2*)(tile + lo + at(r)) = lo_;
     }
     return s;
 }
@@ -281,7 +294,7 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
 // pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
 template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                           int* shift) {
+                                           int* shift, bool wlo) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
@@ -299,7 +312,7 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
 #pragma unroll
             for (int e = 0; e < F::EPP; e++) v[e] = 0.0f;
         }
-        const int s = split_runs<PPT, RUNS>(v, (u8*)Ws, Layout<BK>::lo(BM),
+        const int s = split_runs<PPT, RUNS>(v, (u8*)Ws, Layout<BK>::lo(BM), wlo,
                                             [&](int r) { return Layout<BK>::off(row, e0 + F::run(p, r)); });
         if (i % PPT == 0) shift[row] = s;
     }
@@ -307,7 +320,7 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
 
 template <int BK, int T>
 __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                           int* shift) {
+                                           int* shift, bool wlo) {
     constexpr int ES = T == T_F32 ? 4 : 2, PPT = BK / 8;
     for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
         const int row = i / PPT, c = i % PPT, k = k0 + 8 * c;
@@ -315,7 +328,7 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
         if (row < nrows && k < n_in) float8<T>(w + (size_t)row * rb + (size_t)k * ES, v);
 #pragma unroll
         for (int e = 0; e < 8; e++) v[e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
-        const int s = split_runs<PPT, 2>(v, (u8*)Ws, Layout<BK>::lo(BM),
+        const int s = split_runs<PPT, 2>(v, (u8*)Ws, Layout<BK>::lo(BM), wlo,
                                          [&](int r) { return Layout<BK>::off(row, 8 * c + 4 * r); });
         if (c == 0) shift[row] = s;
     }
@@ -323,24 +336,24 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
 
 template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                      int* shift) {
+                                      int* shift, bool wlo) {
     switch (type) {
-        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
-        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift); return;
+        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
     }
     for (int i = threadIdx.x; i < BM * (BK + 4); i += blockDim.x) Ws[i] = __int_as_float(0x7e007e00);   // unknown type:
     for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;                                   // f16 NaNs
@@ -425,10 +438,10 @@ __device__ __forceinline__ void copy_x(const u8* xs, int xs_rows, int n0, int k0
     stage_wait();
 }
 
-// A k-chunk's wgmma, issued: per k-step and m64 block, lo(W) hi(X), hi(W) lo(X), hi(W) hi(X), the first of the
-// chunk into zeroed sums; HN weight tiles (2: a GLU pair), each its own sums. No branch between the MMAs (ptxas
-// would fence the accumulators at each).
-template <int BK, int MX, int BN, int HN>
+// A k-chunk's wgmma, issued: per k-step and m64 block, lo(W) hi(X) (when WLO: weights not f16_exact), hi(W) lo(X),
+// hi(W) hi(X), the first of the chunk into zeroed sums; HN weight tiles (2: a GLU pair), each its own sums. No branch
+// between the MMAs (ptxas would fence the accumulators at each).
+template <int BK, int MX, int BN, int HN, bool WLO>
 __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&part2)[MX][BN / 8][4],
                                          const float* Ws, const float* Ws2, const float* Xs, int BM) {
     const u32 xh = smem_addr(Xs), xl = xh + Layout<BK>::lo(BN);
@@ -440,11 +453,17 @@ __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&p
             for (int i = 0; i < MX; i++) {
                 float* c = h ? &part2[i][0][0] : &part[i][0][0];
                 const u32 wh = smem_addr(h ? Ws2 : Ws) + i * 128 * BK + 16 * kk, wl = wh + Layout<BK>::lo(BM);
-                if (kk == 0)
-                    wg_mma<BN, false>(c, wg_desc(wl, BK), wg_desc(xh, BK));
-                else
-                    wg_mma<BN, true>(c, wg_desc(wl, BK), wg_desc(xh + 16 * kk, BK));
-                wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xl + 16 * kk, BK));
+                if (WLO) {
+                    if (kk == 0)
+                        wg_mma<BN, false>(c, wg_desc(wl, BK), wg_desc(xh, BK));
+                    else
+                        wg_mma<BN, true>(c, wg_desc(wl, BK), wg_desc(xh + 16 * kk, BK));
+                    wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xl + 16 * kk, BK));
+                } else if (kk == 0) {
+                    wg_mma<BN, false>(c, wg_desc(wh, BK), wg_desc(xl, BK));
+                } else {
+                    wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xl + 16 * kk, BK));
+                }
                 wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xh + 16 * kk, BK));
             }
 }
@@ -466,6 +485,7 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
     static_assert(!GM_WG || BM % 64 == 0, "wgmma tile: whole m64 blocks");
     const bool glu = MAY_GLU && w2 != nullptr;
+    const bool wlo = !f16_exact(type) || (glu && !f16_exact(type2));      // the weights' lo halves are used
     // a stage: Ws (BM), Ws2 (BM, GLU only), Xs (BN) rows of LD floats, then the shifts (BM, BM, BN)
     const int stage = ((glu ? 2 : 1) * BM + BN) * LD * 4 + (2 * BM + BN) * 4;
     float* Ws = (float*)SMEM;
@@ -485,8 +505,8 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     // chunk k0's weights and rows into stage s
     auto load = [&](int k0, int s) {
         const int o = s * stage;
-        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, in(Ws, o), BM, in(sh_w, o));
-        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, in(Ws2, o), BM, in(sh_w2, o));
+        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, in(Ws, o), BM, in(sh_w, o), wlo);
+        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, in(Ws2, o), BM, in(sh_w2, o), wlo);
         if (GM_WG && GEMM_XPREP && xp != nullptr)
             copy_x<BK, BN>(xp, xp_rows, n0, k0, in(Xs, o), in(sh_x, o));
         else
@@ -523,10 +543,14 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         }
 #if GM_WG
         wg_fence();
-        if (glu)
-            wg_chunk<BK, MX, BN, 2>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+        if (glu && wlo)
+            wg_chunk<BK, MX, BN, 2, true>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+        else if (glu)
+            wg_chunk<BK, MX, BN, 2, false>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+        else if (wlo)
+            wg_chunk<BK, MX, BN, 1, true>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
         else
-            wg_chunk<BK, MX, BN, 1>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 1, false>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
         wg_commit();
         if (GM_STAGES == 2 && k0 + BK < n_in) {     // the next chunk, while the tensor cores read this one
             load(k0 + BK, s ^ 1);
@@ -568,11 +592,11 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
                     u32 ah[4], al[4];
                     const u32 wa = (h ? ws2 : ws) + i * 16 * RB + 2 * kk;
                     ldsm4(wa, ah);
-                    ldsm4(wa + 2 * BK, al);
+                    if (wlo) ldsm4(wa + 2 * BK, al);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         float* c = h ? part2[i][j] : part[i][j];
-                        mma_f16(c, al, bh[j]);
+                        if (wlo) mma_f16(c, al, bh[j]);
                         mma_f16(c, ah, bl[j]);
                         mma_f16(c, ah, bh[j]);
                     }
