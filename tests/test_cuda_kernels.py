@@ -753,13 +753,29 @@ def test_experts(rig, qt):
         host.free()
 
 
+def xprep_kernels(rig, monkeypatch, module: str):
+    """fn_of(kernel name) of `module` built with GEMM_XPREP=1 (the tiles' copy of prepared rows): the emulator builds
+    it for the test; a GPU build without it skips the test (bench/gpu_gemm.sh's variant has it)."""
+    from strata.kernels import gemm as kgemm
+    if isinstance(rig, EmuRig):
+        monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + " GEMM_XPREP=1")
+        kx = EmuKernels(rig.k.cache)
+        return lambda n: kx.fn(module, n)
+    if not kgemm.XPREP:
+        pytest.skip("this GPU build has no copy of prepared rows: GEMM_XPREP=1 in $STRATA_KERNEL_DEFINES builds it "
+                    "(bench/gpu_gemm.sh's variant)")
+    return lambda n: rig.k.fn(module, n)
+
+
 @both_rigs
-@pytest.mark.parametrize("qt,rows", [(QType.Q2_0, 40), (QType.Q6_K, 40), (QType.Q4_K, 9)],
-                         ids=["Q2_0-40", "Q6_K-40", "Q4_K-9"])
-def test_grouped_experts(rig, qt, rows):
+@pytest.mark.parametrize("qt,rows,prep", [(QType.Q2_0, 40, False), (QType.Q6_K, 40, False), (QType.Q4_K, 9, False),
+                                          (QType.Q2_0, 40, True), (QType.Q6_K, 9, True)],
+                         ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep"])
+def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in
     tiles (64 pairs at 40 rows, 16 at 9), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
-    expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against float64."""
+    expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against float64. prep: in a
+    GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own split."""
     rng = np.random.default_rng(int(qt) + rows)
     E, Fn, n_exp, k = 256, 256, 6, 4
     cfg = cfg_tiny(n_embd=E, n_ff_exp=Fn, n_expert=n_exp, n_expert_used=k)
@@ -784,17 +800,34 @@ def test_grouped_experts(rig, qt, rows):
     tiles, n_tiles = rig.buf("tiles", (4 * nt,), np.int32), rig.buf("n_tiles", (1,), np.int32)
     job, x = rig.buf("job", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), rig.buf("x", (rows, E), value=X)
     h, out = rig.buf("h", (rows * k, kmoe.padded_ff(cfg))), rig.buf("out", (rows * k, E))
+    if prep:
+        from strata.kernels import gemm as kgemm
+        plan = kmoe.split_plan(cfg, bank, rows, bn)
+        bk = 64 if qt == QType.Q2_0 else 128           # Q6_K's 256-element blocks: k-chunks of 128
+        assert plan == ((E, bk, nt * bn), (Fn, bk, nt * bn))
+        splits = [kgemm.XSplit(rig.buf(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8), *p) for i, p in enumerate(plan)]
     rig.commit()
     w = step_words()
     w[3] = rows                                                # STEP_T: the step's rows
     step.upload(w)
     grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of, tiles,
                             n_tiles, rows, bn)
-    gu, dn = kmoe.grouped_launches(lambda n: rig.k.fn("moe", n), "experts", cfg, job, bank, tiles, n_tiles, x,
-                                   pair_tok, h, out, rows, bn)
+    fn_of = xprep_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
+    gu, dn = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, bn)
     rig.poison(h, out)
     rig.run(grp, gu, dn)
     po, pt, got = pair_of.download(), pair_tok.download(), out.download()
+    if prep:
+        for xs in splits:
+            xs.buf.upload(np.full(xs.buf.shape, 0xA5, np.uint8))          # stale planes would show
+        rig.poison(h, out)
+        launches = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows,
+                                         bn, splits)
+        assert [ln.name for ln in launches] == ["experts.gate_up_split", "experts.gate_up", "experts.down_split",
+                                                "experts.down"]
+        rig.run(*launches)
+        assert np.array_equal(out.download()[:len(po[po >= 0])], got[:len(po[po >= 0])]), \
+            "the prepared rows give other numbers"
     live = po[po >= 0]
     assert np.array_equal(np.sort(live), np.arange(len(live))), "pairs are not a permutation"
     for t in range(rows):
@@ -1017,15 +1050,7 @@ def test_gemm_prepared_rows(rig, types, n_in, monkeypatch):
     split buffer (549: a partial last k-chunk, rows not a multiple of 4), rows past n_rows untouched; and within
     1e-5 of float64. The emulator builds gemm.cu with GEMM_XPREP=1 for it; on the GPU it runs in such a build."""
     from strata.kernels import gemm as kgemm
-    if isinstance(rig, EmuRig):
-        monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + " GEMM_XPREP=1")
-        kx = EmuKernels(rig.k.cache)
-        fn = lambda n: kx.fn("gemm", n)
-    elif not kgemm.XPREP:
-        pytest.skip("this GPU build has no copy of prepared rows: GEMM_XPREP=1 in $STRATA_KERNEL_DEFINES builds it "
-                    "(bench/gpu_gemm.sh's variant)")
-    else:
-        fn = lambda n: rig.k.fn("gemm", n)
+    fn = xprep_kernels(rig, monkeypatch, "gemm")
     rng = np.random.default_rng(17 + n_in)
     T, (qa, qb), (na, nb) = 150, types, (1100, 1030)
     X = (rng.standard_normal((T, n_in)) * 10.0 ** rng.uniform(-3, 3, (T, 1))).astype(F32)
@@ -1085,6 +1110,16 @@ def test_batch_prepares_each_x_once(monkeypatch):
     assert preps[0][0][2].max_rows == 300 and preps[0][0][2].rows == 384
     assert all(j.xs is not None for j in ops[0][3]) and all(j.xs is None for op in ops[3:] for j in op[3])
     assert len(bp._xsplits) == 3
+    # the expert GEMMs' tile splits: one per input length and k-chunk, shared by the layers
+    bp.be.cfg = cfg_tiny(n_embd=512, n_ff_exp=256, n_expert=13, n_expert_used=3)
+    b1 = SimpleNamespace(gate=q4, up=q4, down=mat("d1", QType.Q4_K, 512, 256))
+    b2 = SimpleNamespace(gate=q4, up=q4, down=mat("d2", QType.Q6_K, 512, 256))
+    s1, s2, s3 = bp._tile_splits(b1, 64), bp._tile_splits(b2, 64), bp._tile_splits(b1, 64)
+    assert s3 == s1 and s1[0] is s2[0] and s1[1] is not s2[1] and (s1[1].bk, s2[1].bk) == (64, 128)
+    assert (s1[0].n_in, s1[1].n_in, s1[0].max_rows) == (512, 256, kmoe.max_tiles(300, 3, 13, 64) * 64)
+    assert len(bp._xsplits) == 6
+    monkeypatch.setattr(kgemm, "XPREP", 0)
+    assert bp._tile_splits(b1, 64) is None
 
 
 @both_rigs

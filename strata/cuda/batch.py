@@ -154,6 +154,20 @@ class BatchPath:
             preps.append((j.x, ldx, xs))
         return dataclasses.replace(j, xs=xs)
 
+    def _tile_splits(self, bank, bn: int):
+        """With GEMM_XPREP: the expert GEMMs' split buffers (moe.py split_plan), one per input length and k-chunk,
+        shared by the layers (each layer's split is read before the next layer's is written); else None."""
+        if not kgemm.XPREP:
+            return None
+        out = []
+        for n_in, bk, nr in kmoe.split_plan(self.be.cfg, bank, self.rows, bn):
+            key = ("tiles", n_in, bk)
+            if key not in self._xsplits:
+                buf = self.be.A.reserve(f"b.xsplit.{len(self._xsplits)}", (kgemm.xsplit_bytes(n_in, bk, nr),), U8)
+                self._xsplits[key] = kgemm.XSplit(buf, n_in, bk, nr)
+            out.append(self._xsplits[key])
+        return tuple(out)
+
     def _plan_ops(self) -> dict:
         """Per stage, the ops of begin, pre[l], post[l] and head: ('gemm', ...) or ('k', builder(rows))."""
         be, cfg, K = self.be, self.be.cfg, self.be.kern
@@ -272,9 +286,9 @@ class BatchPath:
                     k(lambda rows, p=p, slot_of=slot_of: kmoe.group_launch(
                         K.fn("moe", "moe_group"), p + "group", cfg, self.ids, slot_of, step, self.pair_tok,
                         self.pair_of, self.tiles, self.n_tiles, self.rows, bn)),
-                    k(lambda rows, il=il, p=p: kmoe.grouped_launches(
+                    k(lambda rows, il=il, p=p, splits=self._tile_splits(be.banks[il], bn): kmoe.grouped_launches(
                         lambda n: K.fn("moe", n), p + "experts", cfg, be.expert_job[il], be.banks[il], self.tiles,
-                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, bn))]),
+                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, bn, splits))]),
                 ("combine", [k(lambda rows, p=p, w_next=w_next, host_parts=host_parts: kmoe.combine_rows_launch(
                     K.fn("moe", "combine_rows"), p + "combine", cfg, self.wts, self.pair_of, self.out_exp,
                     host_parts, self.shared, self.sg, self.inj_f, self.R, self.comb, w_next, self.xn, step,

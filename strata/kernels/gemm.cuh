@@ -471,15 +471,16 @@ __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&p
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
 // GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN). xp: the step rows prepared
-// by x_split (the wgmma tile copies them in a GEMM_XPREP build; otherwise, and on the mma.sync tile, whose layout
-// differs, the tile splits x itself).
+// by x_split, this tile's from plane row xp_r0 + n0 (the wgmma tile copies them in a GEMM_XPREP build; otherwise,
+// and on the mma.sync tile, whose layout differs, the tile splits x itself).
 // mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
 // all BN columns, warp w rows 16w .. 16w + 15 of each; its accumulator fragment is mma.sync's m16n8 one for each
 // 8 columns, so the two paths share the epilogue with (MX, NX) the m16-or-m64 blocks and n8 tiles a thread holds.
 template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
-                                          int n0, float* y, int ldy, const u8* xp = nullptr, int xp_rows = 0) {
+                                          int n0, float* y, int ldy, const u8* xp = nullptr, int xp_rows = 0,
+                                          int xp_r0 = 0) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4;
     static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
@@ -508,7 +509,7 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, in(Ws, o), BM, in(sh_w, o), wlo);
         if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, in(Ws2, o), BM, in(sh_w2, o), wlo);
         if (GM_WG && GEMM_XPREP && xp != nullptr)
-            copy_x<BK, BN>(xp, xp_rows, n0, k0, in(Xs, o), in(sh_x, o));
+            copy_x<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, in(Xs, o), in(sh_x, o));
         else
             load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, in(Xs, o), in(sh_x, o));
     };

@@ -30,8 +30,9 @@ WIDE_N = define("GEMM_WIDE_N", 1)
 # MMAs inside the CTA); the mma.sync tile (GEMM_WGMMA=0) has one. A GPU of another compute capability than 9.0
 # builds the mma.sync tile whatever the define says, and leaves a second stage unused.
 STAGES = define("GEMM_STAGES", 1) if define("GEMM_WGMMA", 1) else 1
-# GEMM_XPREP=1: the batched step's plain GEMM launches read their step rows split once by x_split (xsplit_launch)
-# instead of splitting them in every M tile: ~40% of a wgmma tile's instructions a chunk (bench/GPU_NOTES.md).
+# GEMM_XPREP=1: the batched step's plain GEMM launches read their step rows split once by x_split (xsplit_launch),
+# and its expert GEMMs each expert tile's rows split once by moe_split (moe.py grouped_launches), instead of
+# splitting them in every M tile: ~40% of a wgmma tile's instructions a chunk (bench/GPU_NOTES.md).
 # The same define builds the tiles' copy of prepared rows (gemm.cuh); wgmma tiles only (the mma.sync tile's
 # layout differs: it ignores them and splits x itself).
 XPREP = define("GEMM_XPREP", 0) if define("GEMM_WGMMA", 1) else 0

@@ -372,12 +372,29 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restri
     }
 }
 
+// The rows of each expert tile split once for all its M tiles (gemm.py GEMM_XPREP; x_split of gemm.cu, per tile):
+// tile i's rows (x[xrow[p]] for its pairs p when xrow is set, else x[p]) into plane rows [i BN, i BN + BN) of xs's
+// k-chunk blockIdx.y, zeros past its pairs. grid (max tiles, chunks); tiles past *n_tiles do nothing.
+template <int BK, int BN>
+__device__ __forceinline__ void moe_split_body(const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,
+                                               const float* __restrict__ x, int ldx, int n_in,
+                                               const i32* __restrict__ xrow, u8* xs, int xs_rows) {
+    pdl_begin();
+    const int i = blockIdx.x;
+    if (i >= *n_tiles) return;
+    const int p0 = tiles[4 * i + 1], np_ = tiles[4 * i + 2];
+    const XsChunk<BK> c(xs, xs_rows, (int)blockIdx.y);
+    load_x<BK, BN>(xrow != nullptr ? x : x + (size_t)p0 * ldx, ldx, xrow != nullptr ? xrow + p0 : nullptr, 0, np_,
+                   (int)blockIdx.y * BK, n_in, (float*)c.hi(i * BN), c.shift(i * BN), (int)c.plane);
+}
+
 // h[p] = silu(gate_s x[pair_tok[p]]) * (up_s x[pair_tok[p]]) for the pairs p of tile blockIdx.y (expert slot s);
-// grid (ceil(F / BM), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp).
+// grid (ceil(F / BM), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp); xs: the tiles' rows
+// split by moe_split (null: the tiles split them).
 template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
                                             const i32* __restrict__ n_tiles, const float* __restrict__ x,
-                                            const i32* __restrict__ pair_tok, float* h) {
+                                            const i32* __restrict__ pair_tok, float* h, const u8* xs, int xs_rows) {
     constexpr int BM = WM * MT * 16;
     pdl_begin();
     if ((int)blockIdx.y >= *n_tiles) return;
@@ -386,13 +403,14 @@ __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, cons
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
     gemm_tile<true, BK, MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
                               J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * BM, x, J.E, pair_tok + p0, np_, 0,
-                              h + (size_t)p0 * J.Fp, J.Fp);
+                              h + (size_t)p0 * J.Fp, J.Fp, xs, xs_rows, (int)blockIdx.y * WN * NT * 8);
 }
 
-// out[p] = down_s h[p]; grid (ceil(E / BM), max tiles). out (pairs, E).
+// out[p] = down_s h[p]; grid (ceil(E / BM), max tiles). out (pairs, E); xs as moe_gu's.
 template <int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
-                                              const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out) {
+                                              const i32* __restrict__ n_tiles, const float* __restrict__ h, float* out,
+                                              const u8* xs, int xs_rows) {
     constexpr int BM = WM * MT * 16;
     pdl_begin();
     if ((int)blockIdx.y >= *n_tiles) return;
@@ -401,7 +419,7 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
     gemm_tile<false, BK, MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
                               (int)blockIdx.x * BM, h + (size_t)p0 * J.Fp, J.Fp, nullptr, np_, 0,
-                              out + (size_t)p0 * J.E, J.E);
+                              out + (size_t)p0 * J.E, J.E, xs, xs_rows, (int)blockIdx.y * WN * NT * 8);
 }
 
 // tiles of 16 or 64 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128 rows
@@ -409,13 +427,18 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
 #define MOE_GEMMS(SUF, BK, MT, NT, WM, WN, MTD)                                                                      \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(true, BK, MT)) moe_gu##SUF(                 \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
-        const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h) {                               \
-        moe_gu_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, x, pair_tok, h);                                    \
+        const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h, const u8* xs, int xs_rows) {    \
+        moe_gu_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, x, pair_tok, h, xs, xs_rows);                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(false, BK, MTD)) moe_down##SUF(             \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
-        const float* __restrict__ h, float* out) {                                                                \
-        moe_down_body<BK, MTD, NT, WM, WN>(job, tiles, n_tiles, h, out);                                          \
+        const float* __restrict__ h, float* out, const u8* xs, int xs_rows) {                                     \
+        moe_down_body<BK, MTD, NT, WM, WN>(job, tiles, n_tiles, h, out, xs, xs_rows);                             \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS) moe_split##SUF(                                      \
+        const i32* __restrict__ tiles, const i32* __restrict__ n_tiles, const float* __restrict__ x, int ldx,     \
+        int n_in, const i32* __restrict__ xrow, u8* xs, int xs_rows) {                                           \
+        moe_split_body<BK, WN * NT * 8>(tiles, n_tiles, x, ldx, n_in, xrow, xs, xs_rows);                         \
     }
 MOE_GEMMS(16_k64, 64, 1, 2, 4, 1, 1)
 MOE_GEMMS(16_k128, 128, 1, 2, 4, 1, 1)

@@ -273,12 +273,22 @@ def group_launch(fn, name: str, cfg: ModelConfig, ids: DevArray, slot_of: DevArr
                   [P(ids), P(slot_of), P(step), P(pair_tok), P(pair_of), P(tiles), P(n_tiles), I(n), I(k), I(bn)])
 
 
+def split_plan(cfg: ModelConfig, bank: ExpertBank, rows: int, bn: int) -> tuple[tuple[int, int, int], ...]:
+    """The x_split buffers a step's expert tiles take (gemm.py XPREP): (n_in, k-chunk, plane rows) for the gate/up
+    input and the down input; their tiles' rows at plane row tile * bn."""
+    from strata.kernels.gemm import chunk_k
+    nr = max_tiles(rows, cfg.n_expert_used, cfg.n_expert, bn) * bn
+    return ((cfg.n_embd, chunk_k([bank.gate.qtype, bank.up.qtype]), nr), (cfg.n_ff_exp, chunk_k([bank.down.qtype]), nr))
+
+
 def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank, tiles: DevArray,
                      n_tiles: DevArray, x: DevArray, pair_tok: DevArray, h: DevArray, out: DevArray, rows: int,
-                     bn: int) -> tuple[Launch, Launch]:
+                     bn: int, splits=None) -> tuple[Launch, ...]:
     """(gate/up GLU, down) over the step's expert tiles; uploads the layer's MoeJob into `job`.
-    x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name) -> the function."""
-    from strata.kernels.gemm import chunk_k, smem_bytes, tile_bm
+    x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name) -> the function. splits: gemm.py XSplit buffers
+    for the two inputs (split_plan's): then each GEMM's tiles read their rows split once by a moe_split launch
+    ahead of it, (split, gate/up, split, down)."""
+    from strata.kernels.gemm import chunk_k, smem_bytes, tile_bm, xsplit_bytes
     k, E, Fn, Fp = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, padded_ff(cfg)
     row = moe_job_row(cfg, bank)
     need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
@@ -290,11 +300,25 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     nt = max_tiles(rows, k, cfg.n_expert, bn)
     kg, kd = chunk_k([bank.gate.qtype, bank.up.qtype]), chunk_k([bank.down.qtype])
     bg, bd = tile_bm(bn, True), tile_bm(bn, False)     # moe.cu's tile heights (its down tiles: always the wide ones)
+    xs_gu, xs_dn = splits if splits is not None else (None, None)
+    for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), split_plan(cfg, bank, rows, bn)):
+        if xs is None:
+            continue
+        if (xs.n_in, xs.bk) != (n_in, bk) or xs.max_rows < nr:
+            raise ValueError(f"{name}: a split of {xs.n_in} inputs in chunks of {xs.bk} for {xs.max_rows} rows; the "
+                             f"tiles need {n_in}, {bk}, {nr}")
+        need(xs.buf, name + " split", xsplit_bytes(n_in, bk, xs.max_rows), np.uint8)
+    sp = lambda xs: (P(xs.buf), I(xs.rows)) if xs is not None else (P(None), I(0))
     gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // bg), nt), (128,), smem_bytes(kg, bn, bg, True),
-                [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h)])
+                [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h), *sp(xs_gu)])
     dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // bd), nt), (128,), smem_bytes(kd, bn, bd, False),
-                [P(job), P(tiles), P(n_tiles), P(h), P(out)])
-    return gu, dn
+                [P(job), P(tiles), P(n_tiles), P(h), P(out), *sp(xs_dn)])
+    if splits is None:
+        return gu, dn
+    split = lambda xs, src, ld, xrow, bk, what: Launch(
+        fn_of(f"moe_split{bn}_k{bk}"), f"{name}.{what}_split", (nt, -(-xs.n_in // bk)), (128,), 0,
+        [P(tiles), P(n_tiles), P(src), I(ld), I(xs.n_in), P(xrow), P(xs.buf), I(xs.rows)])
+    return split(xs_gu, x, E, pair_tok, kg, "gate_up"), gu, split(xs_dn, h, Fp, None, kd, "down"), dn
 
 
 def combine_rows_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, pair_of: DevArray, gpu_out: DevArray,
