@@ -468,6 +468,13 @@ __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&p
             }
 }
 
+// p in stage s: the same buffer o = s * stage bytes further (a function template: the H200 machine's NVRTC takes a
+// generic lambda in device code for a host function)
+template <class T>
+__device__ __forceinline__ T* stage_at(T* p, int o) {
+    return (T*)((u8*)p + o);
+}
+
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
 // GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN). xp: the step rows prepared
@@ -501,17 +508,17 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const int rbase = GM_WG ? 16 * warp : (warp % WM) * MT * 16, rstep = GM_WG ? 64 : 16;
     const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
     const int mrows = min(BM, n_out - m0);
-    // p in stage s: the same buffer o = s * stage bytes further
-    auto in = [&](auto* p, int o) { return (decltype(p))((u8*)p + o); };
     // chunk k0's weights and rows into stage s
     auto load = [&](int k0, int s) {
         const int o = s * stage;
-        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, in(Ws, o), BM, in(sh_w, o), wlo);
-        if (glu) deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, in(Ws2, o), BM, in(sh_w2, o), wlo);
+        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, stage_at(Ws, o), BM, stage_at(sh_w, o), wlo);
+        if (glu)
+            deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, stage_at(Ws2, o), BM, stage_at(sh_w2, o),
+                         wlo);
         if (GM_WG && GEMM_XPREP && xp != nullptr)
-            copy_x<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, in(Xs, o), in(sh_x, o));
+            copy_x<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, stage_at(Xs, o), stage_at(sh_x, o));
         else
-            load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, in(Xs, o), in(sh_x, o));
+            load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, stage_at(Xs, o), stage_at(sh_x, o));
     };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes
@@ -545,13 +552,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #if GM_WG
         wg_fence();
         if (glu && wlo)
-            wg_chunk<BK, MX, BN, 2, true>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 2, true>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
         else if (glu)
-            wg_chunk<BK, MX, BN, 2, false>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 2, false>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
         else if (wlo)
-            wg_chunk<BK, MX, BN, 1, true>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 1, true>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
         else
-            wg_chunk<BK, MX, BN, 1, false>(part, part2, in(Ws, o), in(Ws2, o), in(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 1, false>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
         wg_commit();
         if (GM_STAGES == 2 && k0 + BK < n_in) {     // the next chunk, while the tensor cores read this one
             load(k0 + BK, s ^ 1);
@@ -610,13 +617,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
         for (int j = 0; j < NX; j++)
 #pragma unroll
-            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-in(sh_x, o)[cbase + j * 8 + 2 * t + c]);
+            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-stage_at(sh_x, o)[cbase + j * 8 + 2 * t + c]);
 #pragma unroll
         for (int i = 0; i < MX; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const float fw = pow2f(-in(sh_w, o)[rbase + i * rstep + g + 8 * r]);
-                const float fw2 = glu ? pow2f(-in(sh_w2, o)[rbase + i * rstep + g + 8 * r]) : 0.0f;
+                const float fw = pow2f(-stage_at(sh_w, o)[rbase + i * rstep + g + 8 * r]);
+                const float fw2 = glu ? pow2f(-stage_at(sh_w2, o)[rbase + i * rstep + g + 8 * r]) : 0.0f;
 #pragma unroll
                 for (int j = 0; j < NX; j++)
 #pragma unroll
