@@ -81,6 +81,10 @@ def main() -> None:
     stream = drv.Stream()
     rng = np.random.default_rng(0)
     print(f"device: {dev.name}; GEMM 3xFP16 vs GEMV (f32 path); median of {args.reps}, warm-up excluded")
+    from strata.kernels.build import compile_cubin, nvrtc_version, options, target
+    text = compile_cubin("gemm", dev.arch, ptx=True).decode(errors="replace")
+    print(f"gemm.cu for {target(dev.arch)} by NVRTC {'.'.join(map(str, nvrtc_version()))} ({' '.join(options())}): "
+          f"{text.count('wgmma.mma_async')} wgmma, {text.count('mma.sync')} mma.sync in its PTX")
     print(f"{'matrix':14s} {'type':7s} {'n_out x n_in':>13s} {'T':>5s} {'GEMM ms':>9s} {'TFLOP/s':>8s} "
           f"{'T x GEMV ms':>11s} {'speed-up':>8s}")
     for label, qt, n_out, n_in in SHAPES:

@@ -80,8 +80,9 @@ def target(arch: int) -> str:
     return "sm_90a" if arch == 90 else f"sm_{arch}"
 
 
-def compile_cubin(name: str, arch: int) -> bytes:
-    """NVRTC -> cubin for sm_<arch>; KernelBuildError with the compiler's log on failure."""
+def compile_cubin(name: str, arch: int, ptx: bool = False) -> bytes:
+    """NVRTC -> cubin for sm_<arch> (ptx: the PTX instead, to see what a build holds); KernelBuildError with the
+    compiler's log on failure."""
     nvrtc = _nvrtc()
     headers = _headers()
     prog = _check(nvrtc.nvrtcCreateProgram(source_text(name).encode(), f"{name}.cu".encode(), len(headers),
@@ -97,9 +98,11 @@ def compile_cubin(name: str, arch: int) -> bytes:
     opts = [f"--gpu-architecture={target(arch)}".encode(), *(o.encode() for o in options())]
     try:
         _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"nvrtcCompileProgram({name}.cu, {target(arch)})", log)
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        get_size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx
+                         else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))
+        size = _check(get_size(prog), get_size.__name__)
         cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        _check(get(prog, cubin), get.__name__)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return cubin
