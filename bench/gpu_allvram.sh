@@ -8,7 +8,7 @@
 # (another tree of the repository, e.g. `git archive <commit>` unpacked under build/ and carried) gets one too, on
 # the same model file, for a same-call comparison (and its GEMV timings, unless GEMV=0). MODEL=<path> (default
 # models/flash.gguf) and ROUTING=realistic (default uniform: make-model's routing, when the file is made) name the
-# flash file; GEMV=0 skips the GEMV timings. Logs go to $OUT.
+# flash file; GEMV=0 skips the GEMV timings, TESTS=0 the CUDA tests (run by an earlier call). Logs go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
@@ -17,9 +17,11 @@ model=${MODEL:-models/flash.gguf}
 mopt=(--model "$model" --routing "${ROUTING:-uniform}")
 python3 bench/gpu_check.py --phases model "${mopt[@]}" > "$out/model.log" 2>&1 &
 model_pid=$!
-python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
-    | grep -E "FAILED|Error|passed|failed" | tail -25
-python3 -m pytest -q -rs tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -3
+if [ "${TESTS:-1}" != 0 ]; then
+    python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
+        | grep -E "FAILED|Error|passed|failed" | tail -25
+    python3 -m pytest -q -rs tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -3
+fi
 [ "${GEMV:-1}" != 0 ] && python3 bench/gpu_check.py --phases gemv ${SWEEP:+--sweep} 2>&1 | tee "$out/gemv.log" \
     | grep -E "gemv |sweep" | tail -60
 wait $model_pid || { tail -5 "$out/model.log"; exit 1; }
