@@ -97,7 +97,7 @@ def main() -> None:
         tables = {t: kgemm.job_table(f"jobs{t}", 1, A.reserve) for t in rows}
         bk = kgemm.chunk_k([qt])
         xs = (kgemm.XSplit(A.reserve("xs", (kgemm.xsplit_bytes(n_in, bk, Tm),), np.uint8), n_in, bk, Tm)
-              if kgemm.XPREP else None)
+              if kgemm.XPREP and dev.arch == 90 and n_out >= kgemm.XPREP_MIN_OUT else None)   # as batch.py
         gtab = kgemv.job_table("gemv", 1, A.reserve)
         A.commit()
         w.upload(device_rows(random_rows(qt, n_out, n_in, rng), qt, n_out, n_in).reshape(-1))

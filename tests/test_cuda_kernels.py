@@ -1084,41 +1084,46 @@ def test_gemm_prepared_rows(rig, types, n_in, monkeypatch):
 
 def test_batch_prepares_each_x_once(monkeypatch):
     """GEMM_XPREP's plan (strata.cuda.batch): a step's plain GEMM ops get x_split preps, one per distinct x in an op,
-    and ops reading the same x in the same k-chunk share one split buffer; GLU ops, gathered rows and the head's
-    ops (their own row count) keep the tile's own split; a Q6_K op splits in chunks of 128, apart."""
+    and ops reading the same x in the same k-chunk share one split buffer; GLU ops, gathered rows, the head's ops
+    (their own row count) and ops of few outputs keep the tile's own split; a Q6_K op splits in chunks of 128, apart."""
     from strata.cuda.arena import Arena, DevMat
     from strata.cuda.batch import BatchPath
     from strata.kernels import gemm as kgemm
     from strata.kernels.gemm import GemmJob
-    monkeypatch.setattr(kgemm, "XPREP", 1)
     A = Arena()
     bp = object.__new__(BatchPath)
-    bp.be, bp.rows, bp._xsplits = SimpleNamespace(A=A), 300, {}
+    bp.be, bp.rows, bp._xsplits, bp.xprep = SimpleNamespace(A=A), 300, {}, True
     mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
                                                n_out, n_in, row_bytes(qt, n_in))
     x, x2, y = A.reserve("x", (300, 512)), A.reserve("x2", (300, 512)), A.reserve("y", (300, 2048))
-    q4, q8, q6 = mat("q4", QType.Q4_K, 1024, 512), mat("q8", QType.Q8_0, 2048, 512), mat("q6", QType.Q6_K, 64, 512)
+    q4, q8, q6 = mat("q4", QType.Q4_K, 1024, 512), mat("q8", QType.Q8_0, 2048, 512), mat("q6", QType.Q6_K, 1024, 512)
     ops = [bp._gemm("a", [GemmJob(q4, x, y), GemmJob(q8, x, y), GemmJob(q4, x2, y)]),
            bp._gemm("b", [GemmJob(q8, x, y)]),
            bp._gemm("c", [GemmJob(q6, x, y)]),
            bp._gemm("glu", [GemmJob(q4, x, y, w2=q4)]),
            bp._gemm("gather", [GemmJob(q4, x, y, xrow=A.reserve("rows", (300,), np.int32))]),
-           bp._gemm("head", [GemmJob(q4, x, y)], n_rows=A.reserve("n", (1,), np.int32))]
+           bp._gemm("head", [GemmJob(q4, x, y)], n_rows=A.reserve("n", (1,), np.int32)),
+           bp._gemm("narrow", [GemmJob(mat("q8n", QType.Q8_0, 320, 512), x, y)])]      # < XPREP_MIN_OUT outputs
     preps = [op[5] for op in ops]
-    assert [len(p) for p in preps] == [2, 1, 1, 0, 0, 0]
+    assert [len(p) for p in preps] == [2, 1, 1, 0, 0, 0, 0]
     assert preps[0][0][2] is preps[1][0][2] and preps[0][1][0] is x2 and preps[2][0][2].bk == 128
     assert preps[0][0][2].max_rows == 300 and preps[0][0][2].rows == 384
     assert all(j.xs is not None for j in ops[0][3]) and all(j.xs is None for op in ops[3:] for j in op[3])
     assert len(bp._xsplits) == 3
-    # the expert GEMMs' tile splits: one per input length and k-chunk, shared by the layers
-    bp.be.cfg = cfg_tiny(n_embd=512, n_ff_exp=256, n_expert=13, n_expert_used=3)
-    b1 = SimpleNamespace(gate=q4, up=q4, down=mat("d1", QType.Q4_K, 512, 256))
-    b2 = SimpleNamespace(gate=q4, up=q4, down=mat("d2", QType.Q6_K, 512, 256))
-    s1, s2, s3 = bp._tile_splits(b1, 64), bp._tile_splits(b2, 64), bp._tile_splits(b1, 64)
-    assert s3 == s1 and s1[0] is s2[0] and s1[1] is not s2[1] and (s1[1].bk, s2[1].bk) == (64, 128)
-    assert (s1[0].n_in, s1[1].n_in, s1[0].max_rows) == (512, 256, kmoe.max_tiles(300, 3, 13, 64) * 64)
-    assert len(bp._xsplits) == 6
-    monkeypatch.setattr(kgemm, "XPREP", 0)
+    # the expert GEMMs' tile splits: one buffer per input length, planned before the experts' types are known,
+    # so large enough for either k-chunk (576 = 9 chunks of 64 or 5 of 128: the 128s need more)
+    bp.be.cfg = cfg_tiny(n_embd=512, n_ff_exp=576, n_expert=13, n_expert_used=3)
+    bp._plan_tile_splits(64)
+    nr = kmoe.max_tiles(300, 3, 13, 64) * 64
+    b1 = SimpleNamespace(gate=q4, up=q4, down=q4)                  # (split_plan reads the banks' types only)
+    b2 = SimpleNamespace(gate=q4, up=q4, down=q6)
+    s1, s2 = bp._tile_splits(b1, 64), bp._tile_splits(b2, 64)
+    assert s1[0].buf is s2[0].buf and s1[1].buf is s2[1].buf and s1[0].buf is not s1[1].buf
+    assert [(x.n_in, x.bk, x.max_rows) for x in s1 + s2] == [(512, 64, nr), (576, 64, nr), (512, 64, nr),
+                                                             (576, 128, nr)]
+    assert s2[1].buf.size >= kgemm.xsplit_bytes(576, 128, nr) > kgemm.xsplit_bytes(576, 64, nr)
+    bp.xprep = False
+    bp._plan_tile_splits(64)
     assert bp._tile_splits(b1, 64) is None
 
 

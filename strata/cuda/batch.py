@@ -129,6 +129,9 @@ class BatchPath:
             self.ple_key = R("b.ple_key_raw", (Tm, cfg.hc_dim))
             self.ple_value = R("b.ple_value", (Tm, E))
         self._xsplits: dict = {}
+        # x split once per launch where the tiles can copy it: Hopper's wgmma tile (gemm.py XPREP)
+        self.xprep = bool(kgemm.XPREP) and be.dev.arch == 90
+        self._plan_tile_splits(self.bn_exp)
         self._ops = self._plan_ops()
 
     def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
@@ -137,7 +140,8 @@ class BatchPath:
         distinct x, into a buffer per x, input length and k-chunk that every op of the step reuses)."""
         table = kgemm.job_table(name + ".gemm_jobs", len(jobs), self.be.A.reserve)
         preps: list = []
-        if kgemm.XPREP and n_rows is None and all(j.w2 is None and j.xrow is None for j in jobs):
+        if (self.xprep and n_rows is None and all(j.w2 is None and j.xrow is None for j in jobs)
+                and sum(j.w.n_out for j in jobs) >= kgemm.XPREP_MIN_OUT):
             bk = kgemm.chunk_k([j.w.qtype for j in jobs])
             jobs = [self._prepared(j, bk, preps) for j in jobs]
         return ("gemm", name, table, jobs, n_rows, preps)
@@ -154,19 +158,26 @@ class BatchPath:
             preps.append((j.x, ldx, xs))
         return dataclasses.replace(j, xs=xs)
 
+    def _plan_tile_splits(self, bn: int) -> None:
+        """With GEMM_XPREP: the expert GEMMs' split buffers, one per input length (the gate/up's E, the down's Fn),
+        shared by the layers (each layer's split is read before the next layer's is written) and sized for either
+        k-chunk: the layers' expert types (so their chunks) are known only once the experts are planned."""
+        cfg = self.be.cfg
+        self._tile_bufs = {}
+        if not self.xprep:
+            return
+        nr = kmoe.max_tiles(self.rows, cfg.n_expert_used, cfg.n_expert, bn) * bn
+        for n_in in (cfg.n_embd, cfg.n_ff_exp):
+            if n_in not in self._tile_bufs:
+                size = max(kgemm.xsplit_bytes(n_in, bk, nr) for bk in (64, 128))
+                self._tile_bufs[n_in] = self.be.A.reserve(f"b.tile_split.{n_in}", (size,), U8)
+
     def _tile_splits(self, bank, bn: int):
-        """With GEMM_XPREP: the expert GEMMs' split buffers (moe.py split_plan), one per input length and k-chunk,
-        shared by the layers (each layer's split is read before the next layer's is written); else None."""
-        if not kgemm.XPREP:
+        """With GEMM_XPREP: the split buffers of a layer's expert GEMMs (moe.py split_plan), else None."""
+        if not self._tile_bufs:
             return None
-        out = []
-        for n_in, bk, nr in kmoe.split_plan(self.be.cfg, bank, self.rows, bn):
-            key = ("tiles", n_in, bk)
-            if key not in self._xsplits:
-                buf = self.be.A.reserve(f"b.xsplit.{len(self._xsplits)}", (kgemm.xsplit_bytes(n_in, bk, nr),), U8)
-                self._xsplits[key] = kgemm.XSplit(buf, n_in, bk, nr)
-            out.append(self._xsplits[key])
-        return tuple(out)
+        return tuple(kgemm.XSplit(self._tile_bufs[n_in], n_in, bk, nr)
+                     for n_in, bk, nr in kmoe.split_plan(self.be.cfg, bank, self.rows, bn))
 
     def _plan_ops(self) -> dict:
         """Per stage, the ops of begin, pre[l], post[l] and head: ('gemm', ...) or ('k', builder(rows))."""
@@ -286,9 +297,10 @@ class BatchPath:
                     k(lambda rows, p=p, slot_of=slot_of: kmoe.group_launch(
                         K.fn("moe", "moe_group"), p + "group", cfg, self.ids, slot_of, step, self.pair_tok,
                         self.pair_of, self.tiles, self.n_tiles, self.rows, bn)),
-                    k(lambda rows, il=il, p=p, splits=self._tile_splits(be.banks[il], bn): kmoe.grouped_launches(
+                    k(lambda rows, il=il, p=p: kmoe.grouped_launches(
                         lambda n: K.fn("moe", n), p + "experts", cfg, be.expert_job[il], be.banks[il], self.tiles,
-                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, bn, splits))]),
+                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, bn,
+                        self._tile_splits(be.banks[il], bn)))]),
                 ("combine", [k(lambda rows, p=p, w_next=w_next, host_parts=host_parts: kmoe.combine_rows_launch(
                     K.fn("moe", "combine_rows"), p + "combine", cfg, self.wts, self.pair_of, self.out_exp,
                     host_parts, self.shared, self.sg, self.inj_f, self.R, self.comb, w_next, self.xn, step,

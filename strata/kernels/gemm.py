@@ -32,10 +32,14 @@ WIDE_N = define("GEMM_WIDE_N", 1)
 STAGES = define("GEMM_STAGES", 1) if define("GEMM_WGMMA", 1) else 1
 # GEMM_XPREP=1: the batched step's plain GEMM launches read their step rows split once by x_split (xsplit_launch),
 # and its expert GEMMs each expert tile's rows split once by moe_split (moe.py grouped_launches), instead of
-# splitting them in every M tile: ~40% of a wgmma tile's instructions a chunk (bench/GPU_NOTES.md).
+# splitting them in every M tile: ~40% of a wgmma tile's instructions a chunk (bench/GPU_NOTES.md); on the H200
+# attn_qkv at 4096 rows 2.87 -> 2.17 ms (bench/RESULTS.md 2026-12-05, second session). Ops of fewer than
+# XPREP_MIN_OUT outputs split x themselves: with few M tiles the split launch costs more than it saves (the hc down
+# projection, 320 outputs: 0.56 -> 0.82 ms at 512 rows).
 # The same define builds the tiles' copy of prepared rows (gemm.cuh); wgmma tiles only (the mma.sync tile's
 # layout differs: it ignores them and splits x itself).
-XPREP = define("GEMM_XPREP", 0) if define("GEMM_WGMMA", 1) else 0
+XPREP = define("GEMM_XPREP", 1) if define("GEMM_WGMMA", 1) else 0
+XPREP_MIN_OUT = 1024
 XS_ROW_ALIGN = 128      # xs planes' rows: a multiple of every tile's BN
 
 
