@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The shortest useful GPU-machine call, for a session with little device time left: the flash file made
+# (realistic mix and routing) while the CUDA backend tests and the GEMM / expert kernel tests run, then one 4096-row
+# prefill chunk stage by stage and launch by launch (bench_prefill_gpu.py --launches 30) and the all-VRAM decode
+# (gpu_check.py --phases bench). Each part has its own time limit so that one slow part leaves the rest their
+# time; logs in $OUT as one logs.tgz (the device tool brings back few files).
+#   bash bench/gpu_quick.sh
+set -o pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh || exit 1
+out=${OUT:-/tmp}
+model=${MODEL:-models/flash-realistic.gguf}
+mkdir -p "$(dirname "$model")"
+if [ ! -f "$model" ]; then
+    python3 cli.py make-model "$model" --preset flash --ple-base 2000000 --routing realistic --threads 12 \
+        > "$out/make_model.log" 2>&1 &
+fi
+timeout 150 python3 -m pytest -q -rs tests/test_cuda_backend.py > "$out/gpu_tests.log" 2>&1
+grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
+timeout 120 python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "gemm or grouped or prepared" \
+    > "$out/kernel_tests.log" 2>&1
+grep -E "FAILED|passed|failed" "$out/kernel_tests.log" | tail -8
+wait
+echo "model ready at ${SECONDS} s"
+timeout "${PREFILL_S:-200}" python3 bench/bench_prefill_gpu.py --model "$model" --chunks 4096 --tokens 8192 \
+    --launches 30 > "$out/prefill.log" 2>&1
+grep -E "^chunk|^    |Error" "$out/prefill.log"
+echo "prefill done at ${SECONDS} s"
+timeout "${DECODE_S:-120}" python3 bench/gpu_check.py --phases bench --long-ctx 1024 --model "$model" \
+    --routing realistic > "$out/decode.log" 2>&1
+grep -E "^(decode|per-layer|  sum)|Error" "$out/decode.log"
+echo "total ${SECONDS} s"
+(cd "$out" && tar czf logs.tgz ./*.log && rm -f ./*.log)
+exit 0
