@@ -47,6 +47,18 @@ F32 = np.float32
 STEP_N = 16          # step words the tests reserve: the 8 STEP_* words, then the rows' tokens
 
 
+def test_sources_take_no_generic_lambda():
+    """The H200 machine's NVRTC 13.0 takes a generic lambda in device code for a host function and refuses the
+    source (13.5, this machine's, accepts it): no kernel source may hold one, which no local build would catch."""
+    import re
+    from strata.kernels.build import HEADERS, HERE, SOURCES
+    for f in [f"{n}.cu" for n in SOURCES] + list(HEADERS):
+        text = (HERE / f).read_text()
+        for m in re.finditer(r"\[[^\]\n]*\]\s*\(([^)]*)\)", text):
+            assert not re.search(r"\bauto\b", m.group(1)), \
+                f"{f} line {text.count(chr(10), 0, m.start()) + 1}: a generic lambda ({m.group(0)})"
+
+
 def step_words(pos: int = 0, ring: int = 0, tokens=(0,)) -> np.ndarray:
     """The step block (common.cuh): token, position, ring, row count T, logit rows, ..., then the rows' tokens."""
     w = np.zeros(STEP_N, np.int32)
