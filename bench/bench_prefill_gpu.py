@@ -84,7 +84,8 @@ def main() -> None:
                         print(f"    {label:32s} {ms:8.2f} ms  {ms / total * 100:5.1f}%")
                     rest = total - sum(ms for _, ms in shown)
                     if rest:
-                        print(f"    {f'the other {len(stages) - len(shown)}':32s} {rest:8.2f} ms  {rest / total * 100:5.1f}%")
+                        other = f"the other {len(stages) - len(shown)}"
+                        print(f"    {other:32s} {rest:8.2f} ms  {rest / total * 100:5.1f}%")
                     print(f"    {'sum':32s} {total:8.2f} ms (the eager total per chunk)")
     finally:
         be.close()

@@ -399,9 +399,9 @@ class BatchPath:
         for il in range(be.cfg.n_layer):
             kind = "gdn" if be.cfg.recurrent[il] else "qsa"
             for name, x in pre[il] + ls["post"][il]:
-                if per_launch:
-                    parts += [(f"{kind}:{name}:{re.sub(r'^b[.]blk[.][0-9]+[.]', '', launch.name)}", [(name, [launch])])
-                              for launch in x]
+                if per_launch:                          # labels without the layer: summed over the layers
+                    parts += [(f"{kind}:{name}:{re.sub(r'^b[.]blk[.][0-9]+[.]', '', ln.name)}", [(name, [ln])])
+                              for ln in x]
                 else:
                     parts.append((f"{kind}:{name}", [(name, x)]))
         parts.append(("head", self.head))

@@ -59,10 +59,17 @@ __device__ __forceinline__ float2 f32x2_of(u32 v) {
     return f;
 }
 
+// 4 consecutive (scaled) elements -> their f16 values (the hi halves), two words
+__device__ __forceinline__ uint2 hi4(float4 v) {
+    uint2 h;
+    h.x = f16x2_of(v.x, v.y);
+    h.y = f16x2_of(v.z, v.w);
+    return h;
+}
+
 // 4 consecutive (scaled) elements -> their hi and lo halves, two words each
 __device__ __forceinline__ void split4(float4 v, uint2& hi, uint2& lo) {
-    hi.x = f16x2_of(v.x, v.y);
-    hi.y = f16x2_of(v.z, v.w);
+    hi = hi4(v);
     const float2 a = f32x2_of(hi.x), b = f32x2_of(hi.y);
     lo.x = f16x2_of(v.x - a.x, v.y - a.y);
     lo.y = f16x2_of(v.z - b.x, v.w - b.y);
@@ -282,10 +289,15 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
     const float f = pow2f(s);
 #pragma unroll
     for (int r = 0; r < NR; r++) {
-        uint2 hi, lo_;
-        split4(make_float4(v[4 * r] * f, v[4 * r + 1] * f, v[4 * r + 2] * f, v[4 * r + 3] * f), hi, lo_);
-        *(uint2*)(tile + at(r)) = hi;
-        if (wlo) *(uint2*)(tile + lo + at(r)) = lo_;
+        const float4 a = make_float4(v[4 * r] * f, v[4 * r + 1] * f, v[4 * r + 2] * f, v[4 * r + 3] * f);
+        if (wlo) {
+            uint2 hi, lo_;
+            split4(a, hi, lo_);
+            *(uint2*)(tile + at(r)) = hi;
+            *(uint2*)(tile + lo + at(r)) = lo_;
+        } else {                            // f16-exact weights: no lo halves to form
+            *(uint2*)(tile + at(r)) = hi4(a);
+        }
     }
     return s;
 }

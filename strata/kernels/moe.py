@@ -288,7 +288,7 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name) -> the function. splits: gemm.py XSplit buffers
     for the two inputs (split_plan's): then each GEMM's tiles read their rows split once by a moe_split launch
     ahead of it, (split, gate/up, split, down)."""
-    from strata.kernels.gemm import chunk_k, smem_bytes, tile_bm, xsplit_bytes
+    from strata.kernels.gemm import smem_bytes, tile_bm, xsplit_bytes
     k, E, Fn, Fp = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, padded_ff(cfg)
     row = moe_job_row(cfg, bank)
     need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
@@ -298,10 +298,11 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     need(out, name + " out", rows * k * E)
     job.upload(row.view(np.uint8))
     nt = max_tiles(rows, k, cfg.n_expert, bn)
-    kg, kd = chunk_k([bank.gate.qtype, bank.up.qtype]), chunk_k([bank.down.qtype])
+    plan = split_plan(cfg, bank, rows, bn)
+    (_, kg, _), (_, kd, _) = plan                      # the two GEMMs' k-chunks
     bg, bd = tile_bm(bn, True), tile_bm(bn, False)     # moe.cu's tile heights (its down tiles: always the wide ones)
     xs_gu, xs_dn = splits if splits is not None else (None, None)
-    for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), split_plan(cfg, bank, rows, bn)):
+    for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), plan):
         if xs is None:
             continue
         if (xs.n_in, xs.bk) != (n_in, bk) or xs.max_rows < nr:
@@ -315,10 +316,10 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
                 [P(job), P(tiles), P(n_tiles), P(h), P(out), *sp(xs_dn)])
     if splits is None:
         return gu, dn
-    split = lambda xs, src, ld, xrow, bk, what: Launch(
-        fn_of(f"moe_split{bn}_k{bk}"), f"{name}.{what}_split", (nt, -(-xs.n_in // bk)), (128,), 0,
+    split = lambda xs, src, ld, xrow, what: Launch(
+        fn_of(f"moe_split{bn}_k{xs.bk}"), f"{name}.{what}_split", (nt, -(-xs.n_in // xs.bk)), (128,), 0,
         [P(tiles), P(n_tiles), P(src), I(ld), I(xs.n_in), P(xrow), P(xs.buf), I(xs.rows)])
-    return split(xs_gu, x, E, pair_tok, kg, "gate_up"), gu, split(xs_dn, h, Fp, None, kd, "down"), dn
+    return split(xs_gu, x, E, pair_tok, "gate_up"), gu, split(xs_dn, h, Fp, None, "down"), dn
 
 
 def combine_rows_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, pair_of: DevArray, gpu_out: DevArray,
