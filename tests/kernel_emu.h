@@ -1,21 +1,24 @@
-// kernel_emu.h: the CUDA kernels' own sources (strata/kernels/*.cu), compiled by g++ for the CPU. One OS thread
-// per CUDA thread of a CTA, the CTAs of a grid one after another; __syncthreads is a barrier over the CTA's threads,
-// warp shuffles exchange through a per-warp slot array between two barriers of the warp, cp.async is a plain copy
-// made at issue (the worst case for a buffer reused too early), PTX prmt and the f16 conversion are written out.
-// It checks what the sources compute and how they index and synchronize, not their speed; the kernels' inline
-// PTX is under `#ifdef __CUDACC__` with a plain C++ twin beside it.
+// kernel_emu.h: the CUDA kernels' own sources (strata/kernels/*.cu), compiled by g++ for the CPU. Each CUDA thread
+// of a CTA is a fiber (its own stack, switched cooperatively on one OS thread), the CTAs of a grid one after
+// another; __syncthreads is a barrier over the CTA's fibers and warp shuffles exchange through a per-warp slot array
+// between two barriers of the warp: a fiber that waits at a barrier yields to the next, round robin, so a barrier
+// costs one switch a thread (~20 ns) where OS threads cost a wake-up each (what made the whole CUDA backend too
+// slow to run here). cp.async is a plain copy made at issue (the worst case for a buffer reused too early), PTX prmt
+// and the f16 conversion are written out. It checks what the sources compute and how they index and synchronize,
+// not their speed; the kernels' inline PTX is under `#ifdef __CUDACC__` with a plain C++ twin beside it. A kernel
+// that spins on a value another thread of its CTA writes, without a barrier, would hang here (none does).
 //
 // tests/kernel_emu.py compiles a kernel file with this header first and runs its kernels through emu_launch.
 #pragma once
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
+#include <sys/mman.h>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -49,10 +52,19 @@ struct alignas(8) uint2 {
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 namespace emu {
+// A barrier of fibers: the last of `expected` arrivals opens the phase; a waiter yields until it has opened. A
+// thread that exits drops out (counted as arriving now and expected no more), as an exited CUDA thread does.
+struct Bar {
+    int expected = 0, count = 0;
+    unsigned phase = 0;
+};
+void arrive_and_wait(Bar& b);
+void arrive_and_drop(Bar& b);
+
 struct Cta {
     dim3 block;
-    std::unique_ptr<std::barrier<>> bar;
-    std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
+    Bar bar;
+    std::vector<Bar> warp_bar;
     std::vector<std::uint64_t> slots;     // 32 per warp: the shuffle exchange
     std::vector<unsigned> frag;           // 6 words per lane: mma.sync's fragments
     std::vector<unsigned char> smem;
@@ -71,8 +83,8 @@ inline unsigned char* emu_smem() { return emu::cta->smem.data(); }
 
 inline int emu_linear_tid() { return (int)(threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y); }
 
-inline void __syncthreads() { emu::cta->bar->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::cta->warp_bar[emu_linear_tid() >> 5]->arrive_and_wait(); }
+inline void __syncthreads() { emu::arrive_and_wait(emu::cta->bar); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::arrive_and_wait(emu::cta->warp_bar[emu_linear_tid() >> 5]); }
 
 template <class T>
 inline T emu_shfl(T v, int src_lane) {
@@ -184,11 +196,14 @@ struct WgOp {
     std::uint64_t a, b;
     int acc;
 };
-inline thread_local std::vector<WgOp> wg_issued, wg_committed;     // since the last commit; since the last wait
+struct WgQueue {
+    std::vector<WgOp> issued, committed;     // since the last commit; since the last wait
+};
+WgQueue& wg();     // the running fiber's
 }  // namespace emu
 
 inline void emu_wgmma(float* d, int n, std::uint64_t a, std::uint64_t b, int acc) {
-    emu::wg_issued.push_back({d, n, a, b, acc});
+    emu::wg().issued.push_back({d, n, a, b, acc});
 }
 
 inline float emu_wg_elem(std::uint64_t desc, int r, int k) {
@@ -201,13 +216,14 @@ inline float emu_wg_elem(std::uint64_t desc, int r, int k) {
 }
 
 inline void emu_wgmma_commit() {
-    emu::wg_committed.insert(emu::wg_committed.end(), emu::wg_issued.begin(), emu::wg_issued.end());
-    emu::wg_issued.clear();
+    emu::WgQueue& q = emu::wg();
+    q.committed.insert(q.committed.end(), q.issued.begin(), q.issued.end());
+    q.issued.clear();
 }
 
 inline void emu_wgmma_wait() {
     const int t = emu_linear_tid() & 127, w = t >> 5, g = (t & 31) >> 2, q = t & 3;
-    for (const emu::WgOp& op : emu::wg_committed)
+    for (const emu::WgOp& op : emu::wg().committed)
         for (int j = 0; j < op.n / 8; j++)
             for (int e = 0; e < 4; e++) {
                 const int m = 16 * w + g + 8 * (e >> 1), n = 8 * j + 2 * q + (e & 1);
@@ -215,7 +231,7 @@ inline void emu_wgmma_wait() {
                 for (int k = 0; k < 16; k++) s += emu_wg_elem(op.a, m, k) * emu_wg_elem(op.b, n, k);
                 op.d[4 * j + e] = s;
             }
-    emu::wg_committed.clear();
+    emu::wg().committed.clear();
 }
 
 // f16 bits -> f32, exactly (common.cuh h2f's twin of cvt.f32.f16)
@@ -228,46 +244,7 @@ inline float emu_half_to_float(unsigned short h) {
     return s ? -v : v;
 }
 
-namespace emu {
-// Run `kernel(args...)` over grid x block with `smem` bytes of dynamic shared memory: the CTAs in order, each as
-// block.x * block.y * block.z threads. A thread that returns early drops out of the CTA's barriers (as an exited
-// CUDA thread does).
-template <class... A>
-void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args) {
-    const int nt = (int)(block.x * block.y * block.z);
-    const int nw = (nt + 31) / 32;
-    cur_grid = grid;
-    for (unsigned bz = 0; bz < grid.z; bz++)
-        for (unsigned by = 0; by < grid.y; by++)
-            for (unsigned bx = 0; bx < grid.x; bx++) {
-                Cta c;
-                c.block = block;
-                c.bar = std::make_unique<std::barrier<>>(nt);
-                for (int w = 0; w < nw; w++)
-                    c.warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, nt - 32 * w)));
-                c.slots.assign((size_t)nw * 32, 0);
-                c.frag.assign((size_t)nw * 32 * 6, 0);
-                c.smem.assign(smem + 16, 0xA5);     // poison: a read of unstaged shared memory shows in the result
-                cta = &c;
-                std::vector<std::thread> th;
-                th.reserve(nt);
-                for (int t = 0; t < nt; t++)
-                    th.emplace_back([&, t] {
-                        tid.x = t % block.x;
-                        tid.y = (t / block.x) % block.y;
-                        tid.z = t / (block.x * block.y);
-                        bid.x = bx;
-                        bid.y = by;
-                        bid.z = bz;
-                        kernel(args...);
-                        c.warp_bar[t >> 5]->arrive_and_drop();
-                        c.bar->arrive_and_drop();
-                    });
-                for (auto& x : th) x.join();
-                cta = nullptr;
-            }
-}
-}  // namespace emu
+#include "kernel_emu_fiber.h"
 
 namespace emu {
 template <class... A, size_t... I>

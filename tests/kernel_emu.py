@@ -44,7 +44,8 @@ def build(module: str, cache: Path) -> ctypes.CDLL:
     the hash of every source it can include and of those defines)."""
     src = KERNELS / f"{module}.cu"
     defines = [o for o in options() if o.startswith("-D")]      # $STRATA_KERNEL_DEFINES, as NVRTC gets them
-    h = hashlib.sha256(HEADER.read_bytes() + " ".join(defines).encode())
+    h = hashlib.sha256(HEADER.read_bytes() + HEADER.with_name("kernel_emu_fiber.h").read_bytes()
+                       + " ".join(defines).encode())
     for p in sorted(KERNELS.glob("*.cu*")):
         h.update(p.read_bytes())
     so = cache / f"{module}-{h.hexdigest()[:16]}.so"

@@ -6,8 +6,7 @@ run, so an unwritten element fails. Sizes are not multiples of the block or warp
 The GPU runs are skipped, with the reason, where there is no GPU or no cuda-bindings. The tests marked
 `both_rigs` (and the emulator's share of the GEMM cases) run a second time on the CPU: the same kernel sources
 compiled by g++ under tests/kernel_emu.h, so CI checks what every kernel file computes, indexes and synchronizes
-(not its speed) on a machine without a GPU. test_qsa_layer is the GPU's only (10 minutes on the emulator; it
-passes there too).
+(not its speed) on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -215,9 +214,6 @@ def test_gemv_formats(rig, qt, blocks):
 
 
 GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)]
-# the emulator's share (its CTAs are OS threads: 8 s a format for all 21): a row group inside a warp, a whole warp
-# and several warps (group_sum's three paths), one and four rows a thread
-EMU_GEOMS = [g for g in GEOMS if g.tpg in (4, 32, 256) and g.rr in (1, 4)]
 
 
 @both_rigs
@@ -239,7 +235,7 @@ def test_gemv_every_geometry(rig, qt):
     a, b = W @ x.astype(np.float64), W2 @ x.astype(np.float64)
     with np.errstate(over="ignore"):
         glu = a / (1 + np.exp(-a)) * b
-    for g in EMU_GEOMS if isinstance(rig, EmuRig) else GEOMS:
+    for g in GEOMS:
         for pair, ref in ((None, a), (w2, glu)):
             if not kgemv.tile_fits(g, n_out, w.row_bytes, 1 if pair is None else 2, kgemv.xq_bytes(qt, n_in)):
                 continue
@@ -565,6 +561,7 @@ def _qsa_rig(rig, cfg, rng, max_ctx, nsplit):
     return w, b, launches, il
 
 
+@both_rigs
 @pytest.mark.parametrize("geom", ["tiny", "flash_heads"])
 def test_qsa_layer(rig, geom):
     """The QSA kernels in order, token by token past 4x the budget, against qsa_chunk one token a step (dense then
