@@ -20,7 +20,7 @@ model_pid=$!
 if [ "${TESTS:-1}" != 0 ]; then
     python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
         | grep -E "FAILED|Error|passed|failed" | tail -25
-    python3 -m pytest -q -rs tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -3
+    python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -3
 fi
 [ "${GEMV:-1}" != 0 ] && python3 bench/gpu_check.py --phases gemv ${SWEEP:+--sweep} 2>&1 | tee "$out/gemv.log" \
     | grep -E "gemv |sweep" | tail -60

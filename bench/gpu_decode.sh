@@ -16,7 +16,7 @@ if [ ! -f $model ]; then
         > "$out/make_model.log" 2>&1 &
 fi
 python3 -m pytest -q -x -rs -m gpu tests/test_cuda_kernels.py -k "experts or moe or route" 2>&1 | tail -3 || exit 1
-python3 -m pytest -q -rs tests/test_cuda_backend.py -k "mapped or scheduler" 2>&1 | tee "$out/gpu_tests.log" | tail -4
+python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py -k "mapped or scheduler" 2>&1 | tee "$out/gpu_tests.log" | tail -4
 wait
 tail -1 "$out/make_model.log" 2>/dev/null
 for m in $modes; do

@@ -28,7 +28,7 @@ for v in "${variants[@]}"; do
         if [ $n -eq 0 ] && [ -n "${ALL_TESTS:-}" ]; then
             python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py 2>&1 | tee "$out/kernel_tests.log" \
                 | grep -E "FAILED|Error|passed|failed" | tail -25
-            python3 -m pytest -q -rs tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" \
+            python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" \
                 | grep -E "FAILED|Error|passed|failed" | tail -12
         else
             python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "gemm or grouped" 2>&1 \

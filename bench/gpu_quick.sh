@@ -15,7 +15,7 @@ if [ ! -f "$model" ]; then
     python3 cli.py make-model "$model" --preset flash --ple-base 2000000 --routing realistic --threads 12 \
         > "$out/make_model.log" 2>&1 &
 fi
-timeout 150 python3 -m pytest -q -rs tests/test_cuda_backend.py > "$out/gpu_tests.log" 2>&1
+timeout 150 python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py > "$out/gpu_tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
 timeout 120 python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "gemm or grouped or prepared" \
     > "$out/kernel_tests.log" 2>&1

@@ -65,12 +65,12 @@ struct Cta {
     dim3 block;
     Bar bar;
     std::vector<Bar> warp_bar;
-    std::vector<std::uint64_t> slots;     // 32 per warp: the shuffle exchange
+    std::vector<std::uint64_t> slots;     // 32 per warp, twice: the shuffle exchange
     std::vector<unsigned> frag;           // 6 words per lane: mma.sync's fragments
     std::vector<unsigned char> smem;
 };
 inline Cta* cta = nullptr;
-inline thread_local dim3 tid, bid;
+inline dim3 tid, bid;     // the running fiber's (one launch at a time: kernel_emu_fiber.h)
 inline dim3 cur_grid;
 }  // namespace emu
 
@@ -86,16 +86,19 @@ inline int emu_linear_tid() { return (int)(threadIdx.x + threadIdx.y * blockDim.
 inline void __syncthreads() { emu::arrive_and_wait(emu::cta->bar); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::arrive_and_wait(emu::cta->warp_bar[emu_linear_tid() >> 5]); }
 
+// Two slot arrays used in turn: a warp's shuffle i writes set i % 2, waits at the warp barrier, reads. Shuffle
+// i + 2 writes that set again only after the barrier of shuffle i + 1, which every lane reaches after its read.
 template <class T>
 inline T emu_shfl(T v, int src_lane) {
     static_assert(sizeof(T) <= 8, "shuffle of a value over 8 bytes");
     const int t = emu_linear_tid(), w = t >> 5;
+    emu::Bar& b = emu::cta->warp_bar[w];
+    std::uint64_t* slots = emu::cta->slots.data() + (size_t)(b.phase & 1) * emu::cta->slots.size() / 2;
     std::uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    emu::cta->slots[t] = bits;
-    __syncwarp();
-    bits = emu::cta->slots[w * 32 + (src_lane & 31)];
-    __syncwarp();
+    slots[t] = bits;
+    emu::arrive_and_wait(b);
+    bits = slots[w * 32 + (src_lane & 31)];
     T r;
     std::memcpy(&r, &bits, sizeof(T));
     return r;
@@ -259,8 +262,19 @@ void launch_args(void (*k)(A...), dim3 g, dim3 b, size_t smem, void** args) {
 }
 }  // namespace emu
 
+namespace emu {
+// the kernel's parameter sizes, for a graph that copies a launch's arguments at capture (tests/emu_driver.py)
+template <class... A>
+int arg_sizes(void (*)(A...), size_t* out) {
+    const size_t s[] = {sizeof(A)..., 0};
+    for (size_t i = 0; i < sizeof...(A); i++) out[i] = s[i];
+    return (int)sizeof...(A);
+}
+}  // namespace emu
+
 #define EMU_ENTRY(name)                                                                                      \
     extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
                                size_t smem, void** args) {                                                   \
         emu::launch_args(name, dim3{gx, gy, gz}, dim3{bx, by, bz}, smem, args);                              \
-    }
+    }                                                                                                        \
+    extern "C" int emu_args_##name(size_t* out) { return emu::arg_sizes(name, out); }

@@ -77,6 +77,9 @@ class EmuFn:
 
     def __init__(self, lib: ctypes.CDLL, name: str):
         self.entry, self.name = getattr(lib, f"emu_{name}"), name
+        sizes = (ctypes.c_size_t * 64)()
+        n = getattr(lib, f"emu_args_{name}")(sizes)
+        self.arg_sizes = [int(sizes[i]) for i in range(n)]     # what a graph copies at capture
 
     def __int__(self) -> int:
         return id(self)

@@ -51,23 +51,51 @@ struct Fiber {
     dim3 tid;
     int t = 0;
     bool done = false;
+    unsigned long seen = 0;             // sched.progress when it last yielded
     WgQueue wg;
 };
 
+// Not thread_local (a dlopen'd library's TLS costs a call a read): one launch at a time per library (Hold below).
 struct Sched {
     std::vector<Fiber> fibers;
+    int n = 0;                          // the CTA's threads
     void* main_sp = nullptr;
     int cur = -1;
-    unsigned long progress = 0;         // arrivals and exits: a round of the fibers without one is a deadlock
+    unsigned long progress = 0;         // arrivals and exits: a full round of the fibers without one is a deadlock
     std::function<void(int)> body;      // runs CUDA thread t of the current CTA
 };
-inline thread_local Sched sched;
+inline Sched sched;
 
 inline WgQueue& wg() { return sched.fibers[sched.cur].wg; }
 
+// Switch from the running fiber to the next live one after it (round robin), or back to the launch when none is
+// left; the fiber's context is saved in `save`.
+inline void next(void** save) {
+    for (int i = 1; i <= sched.n; i++) {
+        const int t = (sched.cur + i) % sched.n;
+        Fiber& f = sched.fibers[t];
+        if (f.done || (t == sched.cur && i < sched.n)) continue;
+        if (t == sched.cur) return;     // the only one left
+        sched.cur = t;
+        tid = f.tid;
+        emu_switch(save, f.sp);
+        return;
+    }
+    emu_switch(save, sched.main_sp);
+}
+
 inline void yield() {
-    Fiber& f = sched.fibers[sched.cur];
-    emu_switch(&f.sp, sched.main_sp);
+    const int me = sched.cur;
+    Fiber& f = sched.fibers[me];
+    if (f.seen == sched.progress) {     // back here after a whole round in which nobody arrived anywhere
+        std::fprintf(stderr, "kernel emulator: thread %d of CTA (%u, %u, %u) waits at a barrier that cannot open "
+                     "(one not every thread of its CTA or warp reaches)\n", me, bid.x, bid.y, bid.z);
+        std::abort();
+    }
+    f.seen = sched.progress;
+    next(&f.sp);
+    sched.cur = me;
+    tid = f.tid;
 }
 
 inline void arrive_and_wait(Bar& b) {
@@ -78,6 +106,7 @@ inline void arrive_and_wait(Bar& b) {
         b.phase++;
         return;
     }
+    sched.fibers[sched.cur].seen = sched.progress - 1;     // its own arrival counts as progress for the round
     while (b.phase == ph) yield();
 }
 
@@ -91,10 +120,11 @@ inline void arrive_and_drop(Bar& b) {
 }
 
 [[noreturn]] inline void fiber_entry() {
-    Fiber& f = sched.fibers[sched.cur];
-    sched.body(f.t);
-    sched.fibers[sched.cur].done = true;
-    emu_switch(&sched.fibers[sched.cur].sp, sched.main_sp);
+    const int me = sched.cur;
+    sched.body(me);
+    sched.fibers[me].done = true;
+    void* dead;
+    next(&dead);     // never switched back to
     __builtin_unreachable();
 }
 
@@ -121,6 +151,7 @@ inline void prime(Fiber& f) {
     std::memcpy((unsigned char*)sp + 4, &cw, 2);
     f.sp = sp;
     f.done = false;
+    f.seen = ~0ul;
     f.wg = WgQueue{};
 }
 
@@ -154,7 +185,7 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                 c.bar.expected = nt;
                 c.warp_bar.resize(nw);
                 for (int w = 0; w < nw; w++) c.warp_bar[w].expected = std::min(32, nt - 32 * w);
-                c.slots.assign((size_t)nw * 32, 0);
+                c.slots.assign((size_t)nw * 64, 0);
                 c.frag.assign((size_t)nw * 32 * 6, 0);
                 c.smem.assign(smem + 16, 0xA5);     // poison: a read of unstaged shared memory shows in the result
                 cta = &c;
@@ -164,28 +195,17 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                     arrive_and_drop(c.warp_bar[t >> 5]);
                     arrive_and_drop(c.bar);
                 };
+                sched.n = nt;
                 for (int t = 0; t < nt; t++) {
                     Fiber& f = sched.fibers[t];
                     prime(f);
                     f.t = t;
                     f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
                 }
-                for (int left = nt; left > 0;) {
-                    const unsigned long before = sched.progress;
-                    for (int t = 0; t < nt; t++) {
-                        Fiber& f = sched.fibers[t];
-                        if (f.done) continue;
-                        sched.cur = t;
-                        tid = f.tid;
-                        emu_switch(&sched.main_sp, f.sp);
-                        if (f.done) left--;
-                    }
-                    if (left > 0 && sched.progress == before) {
-                        std::fprintf(stderr, "kernel emulator: the %d threads left of CTA (%u, %u, %u) wait at barriers "
-                                     "that cannot open (a barrier not every thread reaches)\n", left, bx, by, bz);
-                        std::abort();
-                    }
-                }
+                // fiber 0 first; each switches to the next live one at a barrier, the last one out comes back here
+                sched.cur = 0;
+                tid = sched.fibers[0].tid;
+                emu_switch(&sched.main_sp, sched.fibers[0].sp);
                 sched.cur = -1;
                 cta = nullptr;
             }

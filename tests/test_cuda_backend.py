@@ -5,6 +5,11 @@ Tiny random checkpoints (tests/oracle.py) -> strata's converter -> GGUF -> CudaB
 expert on the host, and a partial cache the host fills while the layer runs. Also: the per-stage dump against
 the numpy reference, 64 replayed steps equal to the eager kernel sequence bit for bit (and the whole-token graph
 equal to the per-layer graphs), and the doorbell's launch-to-host-seen latency.
+
+Every test runs twice: on the GPU (skipped with the reason where there is none), and on the CPU through the
+emulated driver (tests/emu_driver.py: host memory for the device's, every kernel through tests/kernel_emu.h, graphs
+that copy their kernels' arguments at capture), so that CI runs the backend's own code, its batch plan and graphs
+included, and not only each kernel alone. Timing assertions are the GPU's only.
 """
 
 from __future__ import annotations
@@ -16,19 +21,38 @@ import pytest
 
 from strata.cuda import driver as drv
 
-pytestmark = pytest.mark.gpu
-_WHY = drv.available()
-if _WHY is not None:
-    pytest.skip(f"the CUDA backend needs a GPU: {_WHY}", allow_module_level=True)
+from kernel_emu import why_not as emu_why_not
+from oracle import SPECS, build, hf_logits, rel_err, sequence
+from strata.cuda.backend import CudaBackend
+from strata.model.convert import convert
+from strata.model.loader import load_model
+from strata.reference.model import RefModel, StageDump, first_divergence
+from strata.reference.moe import expert_ffn
+from strata.reference.ple import NgramWindow, ple_gather, ple_rows
+from strata.host.backend import ExpertPlan, Segment, Step
 
-from oracle import SPECS, build, hf_logits, rel_err, sequence             # noqa: E402
-from strata.cuda.backend import CudaBackend                                # noqa: E402
-from strata.model.convert import convert                                   # noqa: E402
-from strata.model.loader import load_model                                 # noqa: E402
-from strata.reference.model import RefModel, StageDump, first_divergence   # noqa: E402
-from strata.reference.moe import expert_ffn                                # noqa: E402
-from strata.reference.ple import NgramWindow, ple_gather, ple_rows         # noqa: E402
-from strata.host.backend import ExpertPlan, Segment, Step                 # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True,
+                params=[pytest.param("gpu", marks=pytest.mark.gpu), "emu"])
+def device(request, tmp_path_factory):
+    """The rig every test of the module runs on: the GPU's driver, or the emulated one (patched in for the
+    module's emulator tests, undone after them)."""
+    if request.param == "gpu":
+        why = drv.available()
+        if why is not None:
+            pytest.skip(f"the CUDA backend needs a GPU: {why}")
+        yield "gpu"
+        return
+    why = emu_why_not()
+    if why is not None:
+        pytest.skip(f"the kernel emulator: {why}")
+    import emu_driver
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("kernel_emu") if cache else tmp_path_factory.mktemp("kernel_emu")
+    with pytest.MonkeyPatch.context() as mp:
+        emu_driver.install(mp, folder)
+        yield "emu"
+
 
 TOL = 1e-3
 POLL_S = 60.0
@@ -246,7 +270,7 @@ def test_stage_dump_matches_reference(case):
     assert first_divergence(ours, ref, rtol=1e-4) is None, f"first divergence: {first_divergence(ours, ref, 1e-4)}"
 
 
-def test_replay_equals_eager_bitwise(case):
+def test_replay_equals_eager_bitwise(case, device):
     """64 steps: captured graphs replayed == the same kernels launched one by one, bit for bit; the whole-token
     graph == the per-layer graphs. Then the doorbell's launch-to-host-seen latency."""
     spec, model, tokens, _ = case
@@ -269,7 +293,8 @@ def test_replay_equals_eager_bitwise(case):
         eager.close()
     assert np.array_equal(replayed, direct), f"replay differs from eager at {np.argwhere(replayed != direct)[:3]}"
     assert np.array_equal(whole, replayed), "the whole-token graph differs from the per-layer graphs"
-    assert np.median(lat) < 200.0
+    if device == "gpu":                  # the emulator's kernels run at the launch: its latency is theirs
+        assert np.median(lat) < 200.0
 
 
 # ---- batched steps (step_tokens > 1): a prompt chunk of T rows per step -------------------------------------
@@ -316,6 +341,13 @@ def run_steps(be, model, tokens, sizes, cache=None, whole=False) -> np.ndarray:
     return np.concatenate(out)
 
 
+def _numpy_rows(model, tokens) -> np.ndarray:
+    """Every position's logits from the numpy reference in float32, one token a step."""
+    rm = RefModel(model.weights)
+    st = rm.new_state()
+    return np.stack([rm.step(st, int(t)) for t in tokens])
+
+
 def test_batched_equals_one_row_and_transformers(case):
     """Chunks of 1..9 rows and of 40 (crossing QSA blocks and the budget, EOS inside): every row within 1e-5 of
     the one-row CUDA path and within 1e-4 of transformers; graphs replayed == eager launches bit for bit."""
@@ -340,11 +372,12 @@ def test_batched_equals_one_row_and_transformers(case):
           f"{rel_err(single, ref)[worst]}, batched vs transformers {rel_err(batched, ref)[worst]}; one-row vs "
           f"transformers max {rel_err(single, ref).max():.2e}")
     # 1e-5 at every row, except where the model's function is ill-conditioned: there f32 reorderings alone move
-    # rows past 1e-5 (the 8-layer "deep" geometry: the one-row f32 path is up to 3.1e-5 from transformers, and
-    # the batched path measured up to 2.7e-5 from the one-row path with 3xTF32 GEMMs, 2.66e-5 with 3xFP16). A row
-    # may then differ from the one-row path by 4x that path's own distance from transformers, or by the largest
-    # such distance in the geometry: the noise floor of f32 in this function
-    noise = rel_err(single, ref)
+    # rows past 1e-5 (the 8-layer "deep" geometry: the numpy reference in f32 is 3.0e-5 from transformers at row
+    # 39, the one-row CUDA path up to 3.1e-5 on the H200; the batched path measured up to 2.7e-5 from the one-row
+    # path there, 3.5e-5 on the emulator). A row may then differ from the one-row path by 4x the distance of an
+    # independent f32 evaluation of it (the one-row path's, the numpy reference's) from transformers, or by the
+    # largest such distance in the geometry: the noise floor of f32 in this function at that row
+    noise = np.maximum(rel_err(single, ref), rel_err(_numpy_rows(model, tokens), ref))
     bound = np.maximum(1e-5, 4 * noise)
     if noise.max() > 1e-5:
         bound = np.maximum(bound, noise.max())
