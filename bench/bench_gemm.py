@@ -98,6 +98,8 @@ def main() -> None:
         bk = kgemm.chunk_k([qt])
         xs = (kgemm.XSplit(A.reserve("xs", (kgemm.xsplit_bytes(n_in, bk, Tm),), np.uint8), n_in, bk, Tm)
               if kgemm.XPREP and dev.arch == 90 and n_out >= kgemm.XPREP_MIN_OUT else None)   # as batch.py
+        ws = (kgemm.XSplit(A.reserve("ws", (kgemm.xsplit_bytes(n_in, bk, n_out),), np.uint8), n_in, bk, n_out)
+              if kgemm.WPREP and dev.arch == 90 else None)
         gtab = kgemv.job_table("gemv", 1, A.reserve)
         A.commit()
         w.upload(device_rows(random_rows(qt, n_out, n_in, rng), qt, n_out, n_in).reshape(-1))
@@ -108,9 +110,14 @@ def main() -> None:
         for T in rows:
             nr.upload(np.array([T], np.int32))
             fn = lambda n: K.fn("gemm", n)
-            launch = kgemm.gemm_launch(fn, "gemm", tables[T], [kgemm.GemmJob(m, x, y, xs=xs)], nr, T)
-            if xs is not None:               # GEMM_XPREP: the split of x is part of the product's time
-                launch = Launches([kgemm.xsplit_launch(fn, "x_split", x, n_in, xs, nr, T), launch])
+            wp = ws is not None and T >= kgemm.WPREP_MIN_ROWS       # as batch.py
+            launch = kgemm.gemm_launch(fn, "gemm", tables[T], [kgemm.GemmJob(m, x, y, xs=xs, ws=ws if wp else None)],
+                                       nr, T, swz=kgemm.WPREP_GROUP if wp else 0)
+            # GEMM_XPREP / GEMM_WPREP: the splits of x and of the weights are part of the product's time
+            preps = ([kgemm.xsplit_launch(fn, "x_split", x, n_in, xs, nr, T)] if xs is not None else []) + \
+                    ([kgemm.wsplit_launch(fn, "w_split", m, 0, ws)] if wp else [])
+            if preps:
+                launch = Launches([*preps, launch])
             t = time_launch(launch, stream, args.reps)
             tf = 2 * T * n_out * n_in / (t * 1e-3) / 1e12
             print(f"{label:14s} {qt.name:7s} {n_out:6d}x{n_in:<6d} {T:5d} {t:9.3f} {tf:8.2f} {T * t_gemv:11.3f} "

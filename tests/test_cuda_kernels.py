@@ -762,16 +762,17 @@ def test_experts(rig, qt):
         host.free()
 
 
-def xprep_kernels(rig, monkeypatch, module: str):
-    """fn_of(kernel name) of `module` built with GEMM_XPREP=1 (the tiles' copy of prepared rows): the emulator builds
-    it for the test; a GPU build without it skips the test (bench/gpu_gemm.sh's variant has it)."""
+def xprep_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP"):
+    """fn_of(kernel name) of `module` built with `define`=1 (GEMM_XPREP: the tiles' copy of prepared rows;
+    GEMM_WPREP: of prepared weights): the emulator builds it for the test; a GPU build without it skips the test
+    (bench/gpu_gemm.sh's variants have it)."""
     from strata.kernels import gemm as kgemm
     if isinstance(rig, EmuRig):
-        monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + " GEMM_XPREP=1")
+        monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + f" {define}=1")
         kx = EmuKernels(rig.k.cache)
         return lambda n: kx.fn(module, n)
-    if not kgemm.XPREP:
-        pytest.skip("this GPU build has no copy of prepared rows: GEMM_XPREP=1 in $STRATA_KERNEL_DEFINES builds it "
+    if not getattr(kgemm, define.removeprefix("GEMM_")):
+        pytest.skip(f"this GPU build has no copy of prepared operands: {define}=1 in $STRATA_KERNEL_DEFINES builds it "
                     "(bench/gpu_gemm.sh's variant)")
     return lambda n: rig.k.fn(module, n)
 
@@ -1091,6 +1092,57 @@ def test_gemm_prepared_rows(rig, types, n_in, monkeypatch):
             assert rel(o1[:live], ref[:live]) <= TOL and np.isnan(o1[live:]).all()
 
 
+@both_rigs
+def test_gemm_prepared_weights(rig, monkeypatch):
+    """Weights decoded and split once by w_split (gemm.py wsplit_launch): the same numbers, bit for bit, as the tiles
+    decoding them, for two plain jobs (Q4_K, Q8_0: partial last tiles of 64 and 128 rows) at a 150-row bucket (64 x
+    128 tiles) and a 40-row one (128 x 64) with the CTAs in groups of 3 M tiles, and a GLU pair whose gate is
+    f16-exact and whose up is not (Q2_0, Q6_K: the tile then reads the exact matrix's lo halves too); planes
+    poisoned before the split; within 1e-5 of float64, rows past n_rows untouched. The emulator builds gemm.cu with
+    GEMM_WPREP=1 for it; on the GPU it runs in such a build."""
+    from strata.kernels import gemm as kgemm
+    fn = xprep_kernels(rig, monkeypatch, "gemm", "GEMM_WPREP")
+    rng = np.random.default_rng(23)
+    n_in, T = 768, 150
+    X = rng.standard_normal((T, n_in)).astype(F32)
+    xb = rig.buf("x", X.shape, value=X)
+    nr = rig.buf("n_rows", (1,), np.int32, [T])
+    specs = [(QType.Q4_K, 1100), (QType.Q8_0, 1030), (QType.Q2_0, 200), (QType.Q6_K, 200)]
+    raws = [random_matrix(q, n, n_in, rng, 0.05) for q, n in specs]
+    mats = [rig.mat(f"w{i}", r, q, n, n_in) for i, (r, (q, n)) in enumerate(zip(raws, specs))]
+    splits = []
+    for i, (q, n) in enumerate(specs):
+        bk = kgemm.chunk_k([q] if i < 2 else [QType.Q2_0, QType.Q6_K])
+        splits.append(kgemm.XSplit(rig.buf(f"ws{i}", (kgemm.xsplit_bytes(n_in, bk, n),), np.uint8), n_in, bk, n))
+    ys = [rig.buf(f"y{i}", (T, n)) for i, n in enumerate((1100, 1030, 1100, 1030, 200, 200))]
+    tables = [kgemm.job_table(f"jobs{i}", 2, rig.A.reserve) for i in range(4)]
+    rig.commit()
+    W = [dequantize(r, q).reshape(n, n_in).astype(np.float64) for r, (q, n) in zip(raws, specs)]
+    X64 = X.astype(np.float64)
+    with np.errstate(over="ignore"):
+        g = X64 @ W[2].T
+        refs = [X64 @ W[0].T, X64 @ W[1].T, g / (1 + np.exp(-g)) * (X64 @ W[3].T)]
+    plain = [kgemm.GemmJob(mats[0], xb, ys[0]), kgemm.GemmJob(mats[1], xb, ys[1])]
+    prep = [kgemm.GemmJob(mats[0], xb, ys[2], ws=splits[0]), kgemm.GemmJob(mats[1], xb, ys[3], ws=splits[1])]
+    glu = [kgemm.GemmJob(mats[2], xb, ys[4], w2=mats[3])]
+    glu_prep = [kgemm.GemmJob(mats[2], xb, ys[5], w2=mats[3], ws=splits[2], ws2=splits[3])]
+    for t in (T, 40):
+        live = t - 1
+        nr.upload(np.array([live], np.int32))
+        rig.poison(*ys)
+        for sp in splits:
+            sp.buf.upload(np.full(sp.buf.shape, 0xA5, np.uint8))
+        rig.run(*[kgemm.wsplit_launch(fn, f"split{i}", m, 0, sp) for i, (m, sp) in enumerate(zip(mats, splits))],
+                kgemm.gemm_launch(fn, "plain", tables[0], plain, nr, t),
+                kgemm.gemm_launch(fn, "prep", tables[1], prep, nr, t, swz=3),
+                kgemm.gemm_launch(fn, "glu", tables[2], glu, nr, t),
+                kgemm.gemm_launch(fn, "glu_prep", tables[3], glu_prep, nr, t, swz=3))
+        for y0, y1, ref in ((ys[0], ys[2], refs[0]), (ys[1], ys[3], refs[1]), (ys[4], ys[5], refs[2])):
+            o0, o1 = y0.download(), y1.download()
+            assert np.array_equal(o0[:live], o1[:live]), f"{t} rows: the prepared weights give other numbers"
+            assert rel(o1[:live], ref[:live]) <= TOL and np.isnan(o1[live:]).all()
+
+
 def test_batch_prepares_each_x_once(monkeypatch):
     """GEMM_XPREP's plan (strata.cuda.batch): a step's plain GEMM ops get x_split preps, one per distinct x in an op,
     and ops reading the same x in the same k-chunk share one split buffer; GLU ops, gathered rows, the head's ops
@@ -1101,7 +1153,7 @@ def test_batch_prepares_each_x_once(monkeypatch):
     from strata.kernels.gemm import GemmJob
     A = Arena()
     bp = object.__new__(BatchPath)
-    bp.be, bp.rows, bp._xsplits, bp.xprep = SimpleNamespace(A=A), 300, {}, True
+    bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep = SimpleNamespace(A=A), 300, {}, True, False
     mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
                                                n_out, n_in, row_bytes(qt, n_in))
     x, x2, y = A.reserve("x", (300, 512)), A.reserve("x2", (300, 512)), A.reserve("y", (300, 2048))
@@ -1134,6 +1186,41 @@ def test_batch_prepares_each_x_once(monkeypatch):
     bp.xprep = False
     bp._plan_tile_splits(64)
     assert bp._tile_splits(b1, 64) is None
+
+
+def test_batch_plans_weight_planes():
+    """GEMM_WPREP's plan (strata.cuda.batch): every GEMM op but the head's (its own row count) gets places for its
+    matrices' planes (a GLU partner's too) in one scratch sized for the largest op, and the buckets of many rows a
+    second job table whose jobs read them; the places of an op do not overlap and fit the scratch."""
+    from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.batch import BatchPath
+    from strata.kernels import gemm as kgemm
+    from strata.kernels.gemm import GemmJob
+    A = Arena()
+    bp = object.__new__(BatchPath)
+    bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep, bp._wsplit_bytes = SimpleNamespace(A=A), 300, {}, False, True, 0
+    mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
+                                               n_out, n_in, row_bytes(qt, n_in))
+    x, y = A.reserve("x", (300, 512)), A.reserve("y", (300, 2048))
+    q4, q8, q6 = mat("q4", QType.Q4_K, 1024, 512), mat("q8", QType.Q8_0, 2048, 512), mat("q6", QType.Q6_K, 1024, 512)
+    ops = [bp._gemm("a", [GemmJob(q4, x, y), GemmJob(q8, x, y)]),
+           bp._gemm("glu", [GemmJob(q4, x, y, w2=q6)]),
+           bp._gemm("head", [GemmJob(q4, x, y)], n_rows=A.reserve("n", (1,), np.int32))]
+    assert ops[2][6] is None and all(op[6] is not None for op in ops[:2])
+    size = lambda w, bk: -(-kgemm.xsplit_bytes(w.n_in, bk, w.n_out) // 256) * 256
+    assert ops[0][6][1] == 64 and ops[1][6][1] == 128                    # a Q6_K partner: chunks of 128
+    assert ops[0][6][2] == [[0, None], [size(q4, 64), None]]
+    assert ops[1][6][2] == [[0, size(q4, 128)]]
+    assert bp._wsplit_bytes == max(size(q4, 64) + size(q8, 64), 2 * size(q4, 128))
+    bp.wsplit_buf = A.reserve("b.wsplit", (bp._wsplit_bytes,), np.uint8)
+    A.base = 1 << 20                                                     # views' addresses without a device
+    jobs, fills = bp._wsplits("a", ops[0][3], ops[0][6])
+    spans = sorted((j.ws.buf.ptr, j.ws.buf.ptr + j.ws.buf.nbytes) for j in jobs)
+    assert spans[0][1] <= spans[1][0] and spans[1][1] <= bp.wsplit_buf.ptr + bp.wsplit_buf.nbytes
+    assert [(j.ws.n_in, j.ws.bk, j.ws.max_rows, j.ws2) for j in jobs] == [(512, 64, 1024, None), (512, 64, 2048, None)]
+    assert [f[0] for f in fills] == [q4, q8]
+    jobs, fills = bp._wsplits("glu", ops[1][3], ops[1][6])
+    assert jobs[0].ws2 is not None and jobs[0].ws2.buf.ptr == jobs[0].ws.buf.ptr + size(q4, 128) and len(fills) == 2
 
 
 @both_rigs

@@ -131,8 +131,13 @@ class BatchPath:
         self._xsplits: dict = {}
         # x split once per launch where the tiles can copy it: Hopper's wgmma tile (gemm.py XPREP)
         self.xprep = bool(kgemm.XPREP) and be.dev.arch == 90
+        # weights split once per launch in the buckets of many rows (gemm.py WPREP): one scratch for every op's
+        # planes (the ops of a step run in order on one stream), sized for the largest op
+        self.wprep = bool(kgemm.WPREP) and be.dev.arch == 90 and Tm >= kgemm.WPREP_MIN_ROWS
+        self._wsplit_bytes = 0
         self._plan_tile_splits(self.bn_exp)
         self._ops = self._plan_ops()
+        self.wsplit_buf = R("b.wsplit", (self._wsplit_bytes,), U8) if self._wsplit_bytes else None
 
     def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
         """A GEMM op: its job table reserved now, its launches (one per bucket) built later. With GEMM_XPREP (gemm.py
@@ -144,7 +149,38 @@ class BatchPath:
                 and sum(j.w.n_out for j in jobs) >= kgemm.XPREP_MIN_OUT):
             bk = kgemm.chunk_k([j.w.qtype for j in jobs])
             jobs = [self._prepared(j, bk, preps) for j in jobs]
-        return ("gemm", name, table, jobs, n_rows, preps)
+        wplan = self._wplan(name, jobs) if self.wprep and n_rows is None else None
+        return ("gemm", name, table, jobs, n_rows, preps, wplan)
+
+    def _wplan(self, name: str, jobs: list[GemmJob]):
+        """With GEMM_WPREP: the op's weight planes' offsets in the shared scratch (each job's matrix and GLU partner),
+        the k-chunk, and the job table of the buckets that use them (the others' table has no planes)."""
+        bk = kgemm.chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
+        at, places = 0, []
+        for j in jobs:
+            offs = []
+            for w in (j.w, j.w2):
+                offs.append(None if w is None else at)
+                if w is not None:
+                    at += -(-kgemm.xsplit_bytes(w.n_in, bk, w.n_out) // 256) * 256
+            places.append(offs)
+        self._wsplit_bytes = max(self._wsplit_bytes, at)
+        return kgemm.job_table(name + ".gemm_jobs_wprep", len(jobs), self.be.A.reserve), bk, places
+
+    def _wsplits(self, name: str, jobs: list[GemmJob], wplan) -> tuple[list[GemmJob], list]:
+        """The op's jobs reading their weights' planes, and the (matrix, index, split) each w_split launch fills."""
+        _, bk, places = wplan
+        out, fills = [], []
+
+        def split(w, off, what):
+            buf = self.wsplit_buf.view(what, off, (kgemm.xsplit_bytes(w.n_in, bk, w.n_out),), U8)
+            return kgemm.XSplit(buf, w.n_in, bk, w.n_out)
+        for i, (j, (o, o2)) in enumerate(zip(jobs, places)):
+            ws = split(j.w, o, f"{name}.{i}")
+            ws2 = None if j.w2 is None else split(j.w2, o2, f"{name}.{i}.glu")
+            fills += [(j.w, j.mat, ws)] + ([] if ws2 is None else [(j.w2, j.mat, ws2)])
+            out.append(dataclasses.replace(j, ws=ws, ws2=ws2))
+        return out, fills
 
     def _prepared(self, j: GemmJob, bk: int, preps: list) -> GemmJob:
         ldx = j.ldx or j.w.n_in
@@ -327,12 +363,17 @@ class BatchPath:
             if op[0] == "k":
                 got = op[1](rows)
                 return list(got) if isinstance(got, tuple) else [got]
-            _, name, table, jobs, n_rows, preps = op
+            _, name, table, jobs, n_rows, preps, wplan = op
             n_rows = n_rows or self.n_T
             fn = lambda n: K.fn("gemm", n)
-            return [*(kgemm.xsplit_launch(fn, f"{name}.x_split{i}", x, ldx, xs, n_rows, rows)
-                      for i, (x, ldx, xs) in enumerate(preps)),
-                    kgemm.gemm_launch(fn, name, table, jobs, n_rows, rows)]
+            xsplits = [kgemm.xsplit_launch(fn, f"{name}.x_split{i}", x, ldx, xs, n_rows, rows)
+                       for i, (x, ldx, xs) in enumerate(preps)]
+            if wplan is None or rows < kgemm.WPREP_MIN_ROWS:
+                return [*xsplits, kgemm.gemm_launch(fn, name, table, jobs, n_rows, rows)]
+            jobs, fills = self._wsplits(name, jobs, wplan)
+            return [*xsplits, *(kgemm.wsplit_launch(fn, f"{name}.w_split{i}", w, mat, ws)
+                                for i, (w, mat, ws) in enumerate(fills)),
+                    kgemm.gemm_launch(fn, name, wplan[0], jobs, n_rows, rows, swz=kgemm.WPREP_GROUP)]
 
         def stages(st, rows):
             return [(name, [x for op in ops for x in one(op, rows)]) for name, ops in st]

@@ -2,7 +2,7 @@
 // the GEMV takes, several matrices reading the same rows in one launch.
 #include "gemm.cuh"
 
-// Layout must match strata/kernels/gemm.py (GEMM_JOB_DTYPE): 96 bytes.
+// Layout must match strata/kernels/gemm.py (GEMM_JOB_DTYPE): 120 bytes.
 struct GemmJob {
     const u8* w;          // n_out rows of row_bytes
     const u8* w2;         // GLU partner, or null
@@ -15,24 +15,37 @@ struct GemmJob {
                           // rows, and one table serves every bucket)
     const u8* xs;         // x as x_split prepared it for this launch's k-chunk (null: the tile splits x)
     i32 xs_rows, pad2;    // rows of xs's planes
+    const u8* ws;         // w (and w2) as w_split prepared them (null: the tile decodes them)
+    const u8* ws2;
+    i32 ws_rows, pad3;    // rows of their planes
 };
 
 // Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN)); the step's row count is device
-// data (*n_rows), so a graph captured for a bucket of rows serves every count up to it.
+// data (*n_rows), so a graph captured for a bucket of rows serves every count up to it. swz > 0: the CTAs, in launch
+// order, walk groups of swz M tiles, each group over every N tile before the next (what keeps prepared weights'
+// planes in L2 across the N tiles: gemm.cuh GEMM_WPREP); 0: M tiles fastest.
 template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs, int n_jobs,
-                                               const i32* __restrict__ n_rows) {
+                                               const i32* __restrict__ n_rows, int swz) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
     pdl_begin();
-    const int nrows = *n_rows, n0 = blockIdx.y * BN;
+    int bx = (int)blockIdx.x, by = (int)blockIdx.y;
+    if (swz > 0) {
+        const int nm = (int)gridDim.x, l = bx + nm * by, span = swz * (int)gridDim.y, g = l / span;
+        const int gm = min(swz, nm - g * swz), in = l - g * span;
+        bx = g * swz + in % gm;
+        by = in / gm;
+    }
+    const int nrows = *n_rows, n0 = by * BN;
     if (n0 >= nrows) return;
     int j = 0, cta0 = 0;
     for (int i = 0, c = 0; i < n_jobs; c += (jobs[i].n_out + BM - 1) / BM, i++)
-        if (c <= (int)blockIdx.x) j = i, cta0 = c;
+        if (c <= bx) j = i, cta0 = c;
     const GemmJob J = jobs[j];
-    const int m0 = ((int)blockIdx.x - cta0) * BM;
+    const int m0 = (bx - cta0) * BM;
     gemm_tile<MAY_GLU, BK, MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out,
-                                           m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy, J.xs, J.xs_rows);
+                                           m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy, J.xs, J.xs_rows, 0, J.ws,
+                                           J.ws2, J.ws_rows);
 }
 
 // BN = 128 (prefill chunks' plain jobs: 64 weight rows a tile), BN = 64 (GLU jobs, or GEMM_WIDE_N=0) and BN = 16
@@ -41,8 +54,8 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
 // matrices with few outputs (gemm.py tile_bm)
 #define GEMM_JOBS(NAME, GLU, BK, MT, NT, WM, WN)                                                              \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(GLU, BK, MT))                        \
-        NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows) {                  \
-        gemm_jobs_body<GLU, BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows);                                        \
+        NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows, int swz) {         \
+        gemm_jobs_body<GLU, BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows, swz);                                   \
     }
 GEMM_JOBS(gemm_jobs16_k64, false, 64, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs16_k128, false, 128, 1, 2, 4, 1)
@@ -77,3 +90,25 @@ __device__ __forceinline__ void x_split_body(const float* __restrict__ x, int ld
     }
 X_SPLIT(64)
 X_SPLIT(128)
+
+// w_split: one matrix's rows decoded (gemm_tile's own decode, deq_tile) and split once for a launch, in x_split's
+// plane format (XsChunk: ws_rows rows a plane, a multiple of 128; rows past n_out zeros). grid (ws_rows / 64,
+// chunks), GM_THREADS threads. Both halves are written whatever the type: a GLU tile whose partner is not f16-exact
+// reads an exact matrix's lo halves too.
+template <int BK>
+__device__ __forceinline__ void w_split_body(const u8* __restrict__ w, int type, int rb, int n_out, int n_in, u8* ws,
+                                             int ws_rows) {
+    pdl_begin();
+    const XsChunk<BK> c(ws, ws_rows, (int)blockIdx.y);
+    const int m0 = (int)blockIdx.x * 64;
+    deq_tile<BK>(type, w + (size_t)min(m0, n_out) * rb, rb, n_out - m0, (int)blockIdx.y * BK, n_in,
+                 (float*)c.hi(m0), 64, c.shift(m0), true, (int)c.plane);
+}
+
+#define W_SPLIT(BK)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS) w_split_k##BK(                                  \
+        const u8* __restrict__ w, int type, int rb, int n_out, int n_in, u8* ws, int ws_rows) {               \
+        w_split_body<BK>(w, type, rb, n_out, n_in, ws, ws_rows);                                              \
+    }
+W_SPLIT(64)
+W_SPLIT(128)

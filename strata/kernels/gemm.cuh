@@ -153,6 +153,15 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #ifndef GEMM_XPREP
 #define GEMM_XPREP 1
 #endif
+// GEMM_WPREP (default 0 until the H200 has timed it: bench/GPU_NOTES.md): a job's weights may come prepared by
+// w_split (gemm.cu), decoded and split once per launch into the same planes x_split writes for x, which the tile
+// then copies instead of decoding: a prefill chunk's plain tiles decode every weight once per N tile (32 times at
+// 4096 rows), the issue-bound part of the wgmma tile once x is prepared. The planes take 4 bytes a weight against
+// the quantized ~0.5-1, so the launch walks its tiles in groups of M tiles (gemm_jobs_body's swz) to read each
+// group's planes from L2 for every N tile. wgmma tiles only.
+#ifndef GEMM_WPREP
+#define GEMM_WPREP 0
+#endif
 
 // Where a tile's element (r, k) of a k-chunk lives in shared memory: the byte offset of its hi half from the tile's
 // start (off), and how much further its lo half is (lo, for a tile of R rows).
@@ -307,7 +316,7 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
 // pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
 template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                           int* shift, bool wlo) {
+                                           int* shift, bool wlo, int lo) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
@@ -325,7 +334,7 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
 #pragma unroll
             for (int e = 0; e < F::EPP; e++) v[e] = 0.0f;
         }
-        const int s = split_runs<PPT, RUNS>(v, (u8*)Ws, Layout<BK>::lo(BM), wlo,
+        const int s = split_runs<PPT, RUNS>(v, (u8*)Ws, lo, wlo,
                                             [&](int r) { return Layout<BK>::off(row, e0 + F::run(p, r)); });
         if (i % PPT == 0) shift[row] = s;
     }
@@ -333,7 +342,7 @@ __device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k
 
 template <int BK, int T>
 __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                           int* shift, bool wlo) {
+                                           int* shift, bool wlo, int lo) {
     constexpr int ES = T == T_F32 ? 4 : 2, PPT = BK / 8;
     for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
         const int row = i / PPT, c = i % PPT, k = k0 + 8 * c;
@@ -341,35 +350,40 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
         if (row < nrows && k < n_in) float8<T>(w + (size_t)row * rb + (size_t)k * ES, v);
 #pragma unroll
         for (int e = 0; e < 8; e++) v[e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
-        const int s = split_runs<PPT, 2>(v, (u8*)Ws, Layout<BK>::lo(BM), wlo,
+        const int s = split_runs<PPT, 2>(v, (u8*)Ws, lo, wlo,
                                          [&](int r) { return Layout<BK>::off(row, 8 * c + 4 * r); });
         if (c == 0) shift[row] = s;
     }
 }
 
+// lo: the lo halves' offset from Ws, bytes (-1: Layout's, for a tile of BM rows; w_split's planes pass theirs)
 template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                      int* shift, bool wlo) {
+                                      int* shift, bool wlo, int lo = -1) {
+    if (lo < 0) lo = Layout<BK>::lo(BM);
     switch (type) {
-        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
-        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo); return;
+        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
     }
-    for (int i = threadIdx.x; i < BM * (BK + 4); i += blockDim.x) Ws[i] = __int_as_float(0x7e007e00);   // unknown type:
-    for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;                                   // f16 NaNs
+    for (int i = threadIdx.x; i < BM * BK / 2; i += blockDim.x) {      // an unknown type: f16 NaNs in both halves
+        ((u32*)Ws)[i] = 0x7e007e00u;
+        ((u32*)((u8*)Ws + lo))[i] = 0x7e007e00u;
+    }
+    for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;
 }
 
 // X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows; the lo halves lo bytes after the
@@ -422,9 +436,10 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
     }
 }
 
-// Step rows prepared by x_split (gemm.cu: a launch's x split once instead of once per M tile): per k-chunk c, the
-// hi plane, the lo plane (xs_rows rows each, in Layout's wgmma order) and the rows' shifts. Rows [n0, n0 + BN) of
-// a plane are one contiguous span from hi(n0) (n0 a multiple of 8).
+// Rows prepared by x_split or w_split (gemm.cu: a launch's step rows split once instead of once per M tile, its
+// weights once instead of once per N tile): per k-chunk c, the hi plane, the lo plane (rows rows each, in Layout's
+// wgmma order) and the rows' shifts. Rows [r0, r0 + R) of a plane are one contiguous span from hi(r0) (r0 a
+// multiple of 8).
 template <int BK>
 struct XsChunk {
     u8* base;
@@ -436,19 +451,20 @@ struct XsChunk {
     __device__ __forceinline__ int* shift(int n0) const { return (int*)(base + 2 * plane) + n0; }
 };
 
-// Rows [n0, n0 + BN) of chunk k0 / BK of x_split's planes into Xs (cp.async) and their shifts into shift.
-template <int BK, int BN>
-__device__ __forceinline__ void copy_x(const u8* xs, int xs_rows, int n0, int k0, float* Xs, int* shift) {
-    const XsChunk<BK> c(xs, xs_rows, k0 / BK);
-    const u8* src = c.hi(n0);
-    constexpr int N16 = BN * 2 * BK / 16;               // 16-byte pieces of a plane's rows
-    const int dst = (int)((u8*)Xs - SMEM);
-    for (int i = threadIdx.x; i < 2 * N16; i += GM_THREADS) {
+// Rows [r0, r0 + R) of chunk k0 / BK of prepared planes into dst (R rows of the tile's Layout; the lo halves only
+// when lo_too) by cp.async, and their shifts into shift. The caller waits (stage_wait) before the barrier.
+template <int BK, int R>
+__device__ __forceinline__ void copy_planes(const u8* planes, int rows, int r0, int k0, float* dst, int* shift,
+                                            bool lo_too) {
+    const XsChunk<BK> c(planes, rows, k0 / BK);
+    const u8* src = c.hi(r0);
+    constexpr int N16 = R * 2 * BK / 16;                // 16-byte pieces of a plane's rows
+    const int d = (int)((u8*)dst - SMEM);
+    for (int i = threadIdx.x; i < (lo_too ? 2 : 1) * N16; i += GM_THREADS) {
         const int pl = i / N16, j = i % N16;
-        cp_async16(dst + pl * Layout<BK>::lo(BN) + 16 * j, src + pl * c.plane + 16 * j);
+        cp_async16(d + pl * Layout<BK>::lo(R) + 16 * j, src + pl * c.plane + 16 * j);
     }
-    for (int i = threadIdx.x; i < BN; i += GM_THREADS) shift[i] = c.shift(n0)[i];
-    stage_wait();
+    for (int i = threadIdx.x; i < R; i += GM_THREADS) shift[i] = c.shift(r0)[i];
 }
 
 // A k-chunk's wgmma, issued: per k-step and m64 block, lo(W) hi(X) (when WLO: weights not f16_exact), hi(W) lo(X),
@@ -492,7 +508,8 @@ __device__ __forceinline__ T* stage_at(T* p, int o) {
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
 // GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN). xp: the step rows prepared
 // by x_split, this tile's from plane row xp_r0 + n0 (the wgmma tile copies them in a GEMM_XPREP build; otherwise,
-// and on the mma.sync tile, whose layout differs, the tile splits x itself).
+// and on the mma.sync tile, whose layout differs, the tile splits x itself). wp (wp2: the GLU partner's): the
+// weights as w_split prepared them, wp_rows rows a plane (copied in a GEMM_WPREP wgmma build, else decoded here).
 // mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
 // all BN columns, warp w rows 16w .. 16w + 15 of each; its accumulator fragment is mma.sync's m16n8 one for each
 // 8 columns, so the two paths share the epilogue with (MX, NX) the m16-or-m64 blocks and n8 tiles a thread holds.
@@ -500,7 +517,8 @@ template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
                                           int n0, float* y, int ldy, const u8* xp = nullptr, int xp_rows = 0,
-                                          int xp_r0 = 0) {
+                                          int xp_r0 = 0, const u8* wp = nullptr, const u8* wp2 = nullptr,
+                                          int wp_rows = 0) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4;
     static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
@@ -522,16 +540,24 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
     const int mrows = min(BM, n_out - m0);
     // chunk k0's weights and rows into stage s
+    const bool wcopy = GM_WG && GEMM_WPREP && wp != nullptr && (!glu || wp2 != nullptr);
+    const bool xcopy = GM_WG && GEMM_XPREP && xp != nullptr;
     auto load = [&](int k0, int s) {
         const int o = s * stage;
-        deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, stage_at(Ws, o), BM, stage_at(sh_w, o), wlo);
-        if (glu)
-            deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, stage_at(Ws2, o), BM, stage_at(sh_w2, o),
-                         wlo);
-        if (GM_WG && GEMM_XPREP && xp != nullptr)
-            copy_x<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, stage_at(Xs, o), stage_at(sh_x, o));
+        if (wcopy) {
+            copy_planes<BK, BM>(wp, wp_rows, m0, k0, stage_at(Ws, o), stage_at(sh_w, o), wlo);
+            if (glu) copy_planes<BK, BM>(wp2, wp_rows, m0, k0, stage_at(Ws2, o), stage_at(sh_w2, o), wlo);
+        } else {
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, stage_at(Ws, o), BM, stage_at(sh_w, o), wlo);
+            if (glu)
+                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, stage_at(Ws2, o), BM,
+                             stage_at(sh_w2, o), wlo);
+        }
+        if (xcopy)
+            copy_planes<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, stage_at(Xs, o), stage_at(sh_x, o), true);
         else
             load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, stage_at(Xs, o), stage_at(sh_x, o));
+        if (wcopy || xcopy) stage_wait();
     };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes

@@ -40,7 +40,14 @@ STAGES = define("GEMM_STAGES", 1) if define("GEMM_WGMMA", 1) else 1
 # layout differs: it ignores them and splits x itself).
 XPREP = define("GEMM_XPREP", 1) if define("GEMM_WGMMA", 1) else 0
 XPREP_MIN_OUT = 1024
-XS_ROW_ALIGN = 128      # xs planes' rows: a multiple of every tile's BN
+XS_ROW_ALIGN = 128      # xs planes' rows: a multiple of every tile's BN and BM
+# GEMM_WPREP=1 (gemm.cuh): the batched step's plain GEMM ops, in buckets of at least WPREP_MIN_ROWS rows, read their
+# weights decoded and split once per launch by w_split (wsplit_launch) instead of once per N tile, the launch's
+# CTAs in groups of WPREP_GROUP M tiles (gemm_jobs_body's swz). Off by default until the H200 has timed it against
+# the tile's own decode (bench/gpu_gemm.sh VARIANTS); both numbers are build defines so that a variant can move them.
+WPREP = define("GEMM_WPREP", 0) if define("GEMM_WGMMA", 1) else 0
+WPREP_MIN_ROWS = define("GEMM_WPREP_MIN_ROWS", 1024)
+WPREP_GROUP = define("GEMM_WPREP_GROUP", 16)
 
 
 def chunk_k(types) -> int:
@@ -75,12 +82,13 @@ def smem_bytes(bk: int, bn: int, bm: int, glu: bool) -> int:
     then the rows' power-of-two shifts (two weight tiles' and the rows', int32)."""
     return STAGES * (((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4)
 
-# struct GemmJob (gemm.cu), 96 bytes
+# struct GemmJob (gemm.cu), 120 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
                            ("type", "<i4"), ("type2", "<i4"), ("n_in", "<i4"), ("n_out", "<i4"),
                            ("row_bytes", "<i4"), ("row_bytes2", "<i4"), ("ldx", "<i4"), ("ldy", "<i4"),
-                           ("pad0", "<i4"), ("pad1", "<i4"), ("xs", "<u8"), ("xs_rows", "<i4"), ("pad2", "<i4")])
-assert GEMM_JOB_DTYPE.itemsize == 96
+                           ("pad0", "<i4"), ("pad1", "<i4"), ("xs", "<u8"), ("xs_rows", "<i4"), ("pad2", "<i4"),
+                           ("ws", "<u8"), ("ws2", "<u8"), ("ws_rows", "<i4"), ("pad3", "<i4")])
+assert GEMM_JOB_DTYPE.itemsize == 120
 
 
 @dataclass
@@ -96,6 +104,8 @@ class GemmJob:
     ldx: int | None = None
     ldy: int | None = None
     xs: "XSplit | None" = None        # x split once for the launch (xsplit_launch), in the launch's k-chunk
+    ws: "XSplit | None" = None        # w (and w2: ws2) split once for the launch (wsplit_launch)
+    ws2: "XSplit | None" = None
 
 
 @dataclass
@@ -131,6 +141,18 @@ def xsplit_launch(fn_of, name: str, x: DevArray, ldx: int, xs: XSplit, n_rows: D
     need(n_rows, name + " n_rows", 1, np.int32)
     return Launch(fn_of(f"x_split_k{xs.bk}"), name, (-(-rows // 64), -(-xs.n_in // xs.bk)), (THREADS,), 0,
                   [P(x), I(ldx), I(xs.n_in), P(n_rows), P(xs.buf), I(xs.rows)])
+
+
+def wsplit_launch(fn_of, name: str, w: DevMat, mat: int, ws: XSplit) -> Launch:
+    """w_split of matrix `mat` of w into ws (planes of ws.rows >= w.n_out rows, in ws.bk chunks)."""
+    _check_mat(w, name)
+    if (ws.n_in, ws.max_rows) != (w.n_in, w.n_out) or not 0 <= mat < w.n_mat:
+        raise ValueError(f"{name}: a split of {ws.max_rows} x {ws.n_in} for matrix {mat} of {w.n_mat} "
+                         f"{w.n_out} x {w.n_in}")
+    need(ws.buf, name + " split", xsplit_bytes(ws.n_in, ws.bk, ws.max_rows), np.uint8)
+    return Launch(fn_of(f"w_split_k{ws.bk}"), name, (ws.rows // 64, -(-ws.n_in // ws.bk)), (THREADS,), 0,
+                  [P(w.ptr + mat * w.mat_bytes), I(w.qtype), I(w.row_bytes), I(w.n_out), I(w.n_in), P(ws.buf),
+                   I(ws.rows)])
 
 
 def shape_for(max_rows: int, glu: bool = False, n_out: int = WIDE_OUT) -> tuple[str, int]:
@@ -179,6 +201,16 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
                                  f"{j.xs.max_rows} rows; the job needs {j.w.n_in} in {bk} up to {max_rows}, no "
                                  f"gather, no GLU")
             r["xs"], r["xs_rows"] = j.xs.buf.ptr, j.xs.rows
+        if j.ws is not None:
+            splits = [(j.ws, j.w)] + ([(j.ws2, j.w2)] if j.w2 is not None else [])
+            if any(ws is None or (ws.n_in, ws.bk, ws.max_rows) != (w.n_in, bk, w.n_out) for ws, w in splits) or \
+                    (j.ws2 is not None and j.ws2.rows != j.ws.rows):
+                raise ValueError(f"{what}: weights split as {j.ws.max_rows} x {j.ws.n_in} in chunks of {j.ws.bk}; "
+                                 f"the job needs {j.w.n_out} x {j.w.n_in} in {bk}, and its GLU partner's too")
+            r["ws"], r["ws_rows"] = j.ws.buf.ptr, j.ws.rows
+            r["ws2"] = 0 if j.ws2 is None else j.ws2.buf.ptr
+        elif j.ws2 is not None:
+            raise ValueError(f"{what}: a split of the GLU partner without one of the matrix")
         if j.w2 is not None:
             _check_mat(j.w2, what + " (GLU partner)")
             if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
@@ -188,8 +220,10 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
     return rows, tiles, smem_bytes(bk, bn, bm, glu), kernel_name(max_rows, bk, glu, n_out)
 
 
-def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int) -> Launch:
-    """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function."""
+def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int,
+                swz: int = 0) -> Launch:
+    """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function. swz: the
+    CTAs' order (gemm.cu gemm_jobs_body: groups of swz M tiles over every N tile; 0: M tiles fastest)."""
     need(n_rows, name + " n_rows", 1, np.int32)
     rows, tiles, smem, kernel = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
@@ -198,4 +232,4 @@ def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: 
     table.upload(rows.view(np.uint8))
     _, bn = shape_for(max_rows, any(j.w2 is not None for j in jobs), min(j.w.n_out for j in jobs))
     return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
-                  [P(table), I(len(jobs)), P(n_rows)])
+                  [P(table), I(len(jobs)), P(n_rows), I(swz)])

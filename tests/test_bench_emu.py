@@ -1,0 +1,54 @@
+"""The prefill benchmark the device sessions run (bench/bench_prefill_gpu.py, the batched step's breakdown by stage
+and by launch), run here on a tiny model through the emulated driver (tests/emu_driver.py): a change that would
+break it on the GPU machine breaks it here first, before any device time is spent. Its timings here are the
+emulator's and mean nothing; what is checked is that every pass runs and prints its table. (gpu_check.py's bench
+phase runs too, ~70 s here: its decode paths are the backend tests'.)
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernel_emu import why_not
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from strata.model.synth import make_model
+    path = tmp_path_factory.mktemp("bench_emu") / "tiny.gguf"
+    make_model("tiny", path)
+    return path
+
+
+@pytest.fixture
+def emulated(monkeypatch, request, tmp_path_factory):
+    if why_not() is not None:
+        pytest.skip(f"the kernel emulator: {why_not()}")
+    import emu_driver
+    cache = getattr(request.config, "cache", None)
+    emu_driver.install(monkeypatch, cache.mkdir("kernel_emu") if cache else tmp_path_factory.mktemp("kernel_emu"))
+
+
+def run_script(monkeypatch, script: str, *args: str) -> None:
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
+
+
+def test_bench_prefill_gpu(emulated, tiny, monkeypatch, capsys):
+    run_script(monkeypatch, "bench_prefill_gpu.py", "--model", str(tiny), "--chunks", "16", "--tokens", "48",
+               "--launches", "3")
+    out = capsys.readouterr().out
+    for mode in ("whole", "stages", "launches"):
+        assert re.search(rf"^chunk +16 {mode} *:", out, re.M), out[-2000:]
+    sums = [float(x) for x in re.findall(r"^    sum +([\d.]+) ms", out, re.M)]
+    parts = re.findall(r"^    \S+ +([\d.]+) ms +[\d.]+%$", out, re.M)
+    assert len(sums) == 2 and parts
+    assert "the other" in out                                   # --launches 3: the rest folded into one line
+
