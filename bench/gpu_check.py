@@ -53,7 +53,7 @@ def say(msg: str) -> None:
 
 def phase_tests(files: list[str]) -> None:
     t0 = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-m", "gpu", *files]     # the GPU rig (not the emulator)
     say("running " + " ".join(cmd[2:]))
     rc = subprocess.call(cmd, cwd=ROOT)
     RESULTS["tests"] = {"files": files, "rc": rc, "seconds": round(time.time() - t0, 1)}

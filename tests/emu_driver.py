@@ -6,8 +6,12 @@ backend's own code (the batch plan, the graphs' contents, the host protocol) and
 an emulator build. Device memory is host memory, so a device address is a host address (as in EmuRig).
 
 Semantics kept from the driver, since they are what the backend's correctness rests on:
-- Work runs when it is enqueued, in the order the host enqueues it: one legal order of the streams' work (a
-  stream waits for an event's work because that work already ran). A race between streams is not caught here.
+- The first stream created (the backend's compute stream, whose kernels write the doorbell the host polls through
+  mapped memory) runs its work when it is enqueued. Every other stream's work waits until something needs it: a
+  stream waiting on one of its events, the host querying or synchronizing such an event or the stream, a context
+  synchronize, a free. So work on a side stream (expert uploads, streamed layers, promotions) runs as late as the
+  driver may run it, and a missing event wait, or a host buffer reused before its copy is known done, gives wrong
+  numbers here instead of a race that happens to pass. (lazy=False: every stream at once, in enqueue order.)
 - Capture records each enqueue into the capturing graph instead of running it; a stream that waits on an event
   recorded by a capturing stream joins that capture (a forked branch), as the driver's capture does. Launching
   the graph replays its nodes in the order captured.
@@ -93,15 +97,19 @@ class Failed(Exception):
 
 
 class _Stream:
-    def __init__(self):
+    def __init__(self, eager: bool):
         self.capture = None          # the _Graph this stream's enqueues go to while capturing
         self.alive = True
+        self.eager = eager           # runs its work at once, else when something needs it (flush)
+        self.pending: list = []      # work enqueued, not run yet
+        self.issued = 0              # work ever enqueued (an event's mark counts up to its record)
 
 
 class _Event:
     def __init__(self):
-        self.t = None                # host time of the last record (elapsed times between events)
+        self.t = None                # host time its record ran at (elapsed times between events)
         self.capture = None          # the capture it was recorded in, if any (a fork point)
+        self.stream, self.mark = None, 0     # its last record: the stream, and that stream's work up to it
 
 
 class _Graph:
@@ -131,7 +139,7 @@ class EmuDriver:
     CU_MEMHOSTALLOC_DEVICEMAP = 2
 
     def __init__(self, total: int = 3 << 30, context: int = 512 << 20, n_sm: int = 2, arch: int = 90,
-                 ctas_per_sm: int = 1):
+                 ctas_per_sm: int = 1, lazy: bool = True):
         """total: the device's memory (cuMemGetInfo), of which `context` is in use from the start (as a CUDA
         context and its modules hold ~0.5 GiB: what a budget that counts the device must leave); n_sm x
         ctas_per_sm: the CTAs a kernel whose CTAs walk their work gets (few, so each walks several tiles)."""
@@ -142,6 +150,8 @@ class EmuDriver:
         self.used = context
         self.launches = 0             # kernels run (eagerly or replayed)
         self.functions: dict[int, object] = {}
+        self.lazy = lazy
+        self.streams: list[_Stream] = []
 
     # ---- plumbing -------------------------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -180,8 +190,20 @@ class EmuDriver:
         s = self._stream(stream)
         if s.capture is not None:
             s.capture.nodes.append(node)
-        else:
+            return
+        s.issued += 1
+        if s.eager:
             self._run(node)
+        else:
+            s.pending.append(node)
+
+    def _flush(self, s: _Stream | None, upto: int | None = None) -> None:
+        """Run stream s's pending work up to its `upto`-th enqueue (all of it: None); s None: every stream's."""
+        for st in ([s] if s is not None else self.streams):
+            n = len(st.pending) if upto is None else max(0, len(st.pending) - (st.issued - upto))
+            todo, st.pending = st.pending[:n], st.pending[n:]
+            for node in todo:
+                self._run(node)
 
     def _stream(self, s) -> _Stream:
         if not isinstance(s, _Stream) or not s.alive:
@@ -203,6 +225,8 @@ class EmuDriver:
         elif kind == "graph":
             for n in node[1].nodes:
                 self._run(n)
+        elif kind == "event":
+            node[1].t = time.perf_counter()
 
     def _kernel_node(self, fn, grid, block, smem, params: int, capturing: bool):
         f = self.functions.get(int(fn)) if not hasattr(fn, "entry") else fn
@@ -255,7 +279,7 @@ class EmuDriver:
             return (OK, self.total - self.used, self.total)
 
     def cuCtxSynchronize(self):
-        return (OK,)
+        return self._call(lambda: self._flush(None))
 
     def cuGetErrorName(self, res):
         try:
@@ -274,6 +298,7 @@ class EmuDriver:
 
     def cuMemFree(self, ptr):
         def f():
+            self._flush(None)                 # the driver's free waits for the device's work
             a = self.device_mem.pop(int(ptr), None)
             if a is None:
                 raise Failed(BAD, "free of an unknown pointer")
@@ -288,6 +313,7 @@ class EmuDriver:
 
     def cuMemFreeHost(self, ptr):
         def f():
+            self._flush(None)
             if self.host_mem.pop(int(ptr), None) is None:
                 raise Failed(BAD, "free of an unknown host pointer")
         return self._call(f)
@@ -324,16 +350,26 @@ class EmuDriver:
 
     # ---- streams, events, graphs --------------------------------------------------------------------------------
     def cuStreamCreate(self, flags):
-        return (OK, _Stream())
+        with self.lock:
+            st = _Stream(eager=not self.lazy or not self.streams)
+            self.streams.append(st)
+            return (OK, st)
 
     def cuStreamDestroy(self, s):
         def f():
-            self._stream(s).alive = False
+            st = self._stream(s)
+            self._flush(st)                   # its work completes, as the driver's does
+            st.alive = False
+            self.streams.remove(st)
         return self._call(f)
 
     def cuStreamSynchronize(self, s):
-        return self._call(lambda: None if self._stream(s).capture is None else
-                          _raise(CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "sync while capturing"))
+        def f():
+            st = self._stream(s)
+            if st.capture is not None:
+                raise Failed(CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "sync while capturing")
+            self._flush(st)
+        return self._call(f)
 
     def cuEventCreate(self, flags):
         return (OK, _Event())
@@ -345,18 +381,26 @@ class EmuDriver:
         def f():
             st = self._stream(s)
             e.capture = st.capture
-            e.t = time.perf_counter()
+            if st.capture is None:
+                self._enqueue(st, ("event", e))
+                e.stream, e.mark = st, st.issued
         return self._call(f)
 
+    def _reached(self, e) -> None:
+        if e.stream is not None and e.stream.alive:
+            self._flush(e.stream, e.mark)
+
     def cuEventQuery(self, e):
-        return (OK,)
+        return self._call(self._reached, e)
 
     def cuEventSynchronize(self, e):
-        return (OK,)
+        return self._call(self._reached, e)
 
     def cuEventElapsedTime(self, a, b):
+        if a.stream is None or b.stream is None:
+            return (BAD,)                     # never recorded
         if a.t is None or b.t is None:
-            return (BAD,)
+            return (CUresult.CUDA_ERROR_NOT_READY,)      # recorded, its work not run yet
         return (OK, 1000.0 * (b.t - a.t))
 
     def cuStreamWaitEvent(self, s, e, flags):
@@ -365,6 +409,8 @@ class EmuDriver:
             if e.capture is not None and e.capture.active and st.capture is None:   # a fork: it joins the capture
                 st.capture = e.capture
                 e.capture.streams.add(st)
+            elif e.capture is None:
+                self._reached(e)             # its work runs now, before anything st enqueues after the wait
         return self._call(f)
 
     def cuStreamBeginCapture(self, s, mode):

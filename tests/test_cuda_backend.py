@@ -8,8 +8,9 @@ equal to the per-layer graphs), and the doorbell's launch-to-host-seen latency.
 
 Every test runs twice: on the GPU (skipped with the reason where there is none), and on the CPU through the
 emulated driver (tests/emu_driver.py: host memory for the device's, every kernel through tests/kernel_emu.h, graphs
-that copy their kernels' arguments at capture), so that CI runs the backend's own code, its batch plan and graphs
-included, and not only each kernel alone. Timing assertions are the GPU's only.
+that copy their kernels' arguments at capture, side streams whose work runs only once something waits for it), so
+that CI runs the backend's own code, its batch plan, graphs and stream protocol included, and not only each kernel
+alone. Timing assertions are the GPU's only.
 """
 
 from __future__ import annotations
