@@ -181,6 +181,9 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(
 // per chunk); the sums over the state's rows are 3 xor shuffles inside the column's 8 lanes, with no barrier, so
 // the warps run the rows independently. Per row, as gdn_core: S = eg S; delta = bt (v - S^T k); S += k delta^T;
 // o = S^T q -> o (rows, Hv, Dv), normalized by gdn_out. Dk <= 128.
+#ifndef GDN_PREFETCH
+#define GDN_PREFETCH 1
+#endif
 extern "C" __global__ void __launch_bounds__(128) gdn_scan(
     const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ c,
     const float* __restrict__ bt, const float* __restrict__ eg, float* S, float* o, const i32* __restrict__ step,
@@ -197,16 +200,31 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
         const int k = g * 16 + i;
         st[i] = col && k < Dk ? Sh[(size_t)k * Dv + v] : 0.0f;
     }
-    for (int t = 0; t < T; t++) {
+    // row t + 1's inputs are loaded while row t computes (they do not depend on the state): the recurrence's
+    // chain is then its arithmetic and shuffles, not a round trip to L2 per row (GDN_PREFETCH=0: each row's at its
+    // turn, for the same-call comparison; the same numbers either way)
+    float kr[16], qr[16], e = 0.0f, b = 0.0f, vv = 0.0f;
+    auto fetch = [&](int t, float (&kk)[16], float (&qq)[16], float& ee, float& bb, float& vx) {
         const float* kt = kn + ((size_t)t * Hk + kh) * Dk;
         const float* qt = qn + ((size_t)t * Hk + kh) * Dk;
-        const float e = eg[(size_t)t * Hv + h], b = bt[(size_t)t * Hv + h];
-        const float vv = col ? c[(size_t)t * conv_dim + 2 * kd + h * Dv + v] : 0.0f;
-        float kr[16], p = 0.0f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int k = g * 16 + i;
-            kr[i] = k < Dk ? kt[k] : 0.0f;
+            kk[i] = k < Dk ? kt[k] : 0.0f;
+            qq[i] = k < Dk ? qt[k] : 0.0f;
+        }
+        ee = eg[(size_t)t * Hv + h];
+        bb = bt[(size_t)t * Hv + h];
+        vx = col ? c[(size_t)t * conv_dim + 2 * kd + h * Dv + v] : 0.0f;
+    };
+    if (GDN_PREFETCH && T > 0) fetch(0, kr, qr, e, b, vv);
+    for (int t = 0; t < T; t++) {
+        float kn1[16], qn1[16], e1 = 0.0f, b1 = 0.0f, v1 = 0.0f;
+        if (!GDN_PREFETCH) fetch(t, kr, qr, e, b, vv);
+        else if (t + 1 < T) fetch(t + 1, kn1, qn1, e1, b1, v1);
+        float p = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
             st[i] *= e;
             p += st[i] * kr[i];
         }
@@ -217,14 +235,21 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
         float q = 0.0f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            const int k = g * 16 + i;
             st[i] = st[i] + kr[i] * delta;
-            q += st[i] * (k < Dk ? qt[k] : 0.0f);
+            q += st[i] * qr[i];
         }
         q += __shfl_xor_sync(FULL_MASK, q, 1);
         q += __shfl_xor_sync(FULL_MASK, q, 2);
         q += __shfl_xor_sync(FULL_MASK, q, 4);
         if (col && g == 0) o[((size_t)t * Hv + h) * Dv + v] = q;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            kr[i] = kn1[i];
+            qr[i] = qn1[i];
+        }
+        e = e1;
+        b = b1;
+        vv = v1;
     }
 #pragma unroll
     for (int i = 0; i < 16; i++) {
