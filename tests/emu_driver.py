@@ -41,34 +41,16 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 
 
-class CUdevice_attribute(enum.IntEnum):
-    CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
-    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
-    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
-    CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
-
-
-class CUstream_flags(enum.IntEnum):
-    CU_STREAM_DEFAULT = 0
-    CU_STREAM_NON_BLOCKING = 1
-
-
-class CUevent_flags(enum.IntEnum):
-    CU_EVENT_DEFAULT = 0
-    CU_EVENT_DISABLE_TIMING = 2
-
-
-class CUstreamCaptureMode(enum.IntEnum):
-    CU_STREAM_CAPTURE_MODE_GLOBAL = 0
-    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
-
-
-class CUfunction_attribute(enum.IntEnum):
-    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
-
-class CUlaunchAttributeID(enum.IntEnum):
-    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 5
+CUdevice_attribute = enum.IntEnum("CUdevice_attribute", {
+    "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 16, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 75,
+    "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 76, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 97})
+CUstream_flags = enum.IntEnum("CUstream_flags", {"CU_STREAM_DEFAULT": 0, "CU_STREAM_NON_BLOCKING": 1})
+CUevent_flags = enum.IntEnum("CUevent_flags", {"CU_EVENT_DEFAULT": 0, "CU_EVENT_DISABLE_TIMING": 2})
+CUstreamCaptureMode = enum.IntEnum("CUstreamCaptureMode", {"CU_STREAM_CAPTURE_MODE_GLOBAL": 0,
+                                                           "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL": 1})
+CUfunction_attribute = enum.IntEnum("CUfunction_attribute", {"CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES": 8})
+CUlaunchAttributeID = enum.IntEnum("CUlaunchAttributeID",
+                                   {"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION": 5})
 
 
 class CUlaunchAttribute:
@@ -148,8 +130,6 @@ class EmuDriver:
         self.device_mem: dict[int, np.ndarray] = {}     # address -> its backing array
         self.host_mem: dict[int, np.ndarray] = {}
         self.used = context
-        self.launches = 0             # kernels run (eagerly or replayed)
-        self.functions: dict[int, object] = {}
         self.lazy = lazy
         self.streams: list[_Stream] = []
 
@@ -164,7 +144,7 @@ class EmuDriver:
             try:
                 out = fn(*args)
             except Failed as e:
-                return (e.res,) if e.res != OK else (OK,)
+                return (e.res,)
         if out is None:
             return (OK,)
         return (OK, *out) if isinstance(out, tuple) else (OK, out)
@@ -213,9 +193,8 @@ class EmuDriver:
     def _run(self, node) -> None:
         kind = node[0]
         if kind == "kernel":
-            _, fn, grid, block, smem, params = node
+            _, fn, grid, block, smem, params, _args = node
             fn.entry(*grid, *block, smem, params)
-            self.launches += 1
         elif kind == "copy":
             _, dst, src, n = node
             ctypes.memmove(dst, src, n)
@@ -229,9 +208,9 @@ class EmuDriver:
             node[1].t = time.perf_counter()
 
     def _kernel_node(self, fn, grid, block, smem, params: int, capturing: bool):
-        f = self.functions.get(int(fn)) if not hasattr(fn, "entry") else fn
-        if f is None:
-            raise Failed(CUresult.CUDA_ERROR_INVALID_HANDLE, "unknown function")
+        if not hasattr(fn, "entry"):
+            raise Failed(CUresult.CUDA_ERROR_INVALID_HANDLE, "not an emulator kernel")
+        f = fn
         if capturing:
             # the graph keeps the arguments' values as they are now (a copy per parameter, by its size)
             ptrs = (ctypes.c_void_p * max(len(f.arg_sizes), 1)).from_address(params)
@@ -242,7 +221,7 @@ class EmuDriver:
             params = ctypes.addressof(arr)
         else:
             keep = None
-        return _KernelNode(f, tuple(grid), tuple(block), int(smem), params, keep)
+        return ("kernel", f, tuple(grid), tuple(block), int(smem), params, keep)    # keep: a capture's copies
 
     # ---- device and context -----------------------------------------------------------------------------------
     def cuInit(self, flags):
@@ -469,19 +448,6 @@ class EmuDriver:
                             (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ), cfg.sharedMemBytes, cfg.hStream, params)
 
 
-class _KernelNode(tuple):
-    """("kernel", fn, grid, block, smem, params), holding a captured launch's copied arguments alive."""
-
-    def __new__(cls, f, grid, block, smem, params, keep):
-        t = super().__new__(cls, ("kernel", f, grid, block, smem, params))
-        t.keep = keep
-        return t
-
-
-def _raise(res, why):
-    raise Failed(res, why)
-
-
 class EmuModule:
     """strata.kernels.build.Module's stand-in: the source's emulator build; functions by name."""
 
@@ -495,17 +461,15 @@ class EmuModule:
 def install(monkeypatch, cache, **device) -> EmuDriver:
     """The emulated driver in place of cuda.bindings.driver for strata.cuda (and the kernel builds), for the
     duration of a test (monkeypatch undoes it)."""
+    import strata.kernels as K
     from kernel_emu import EmuKernels
     from strata.cuda import arena, driver, graphs, launch
-    from strata.kernels import build
 
     cu = EmuDriver(**device)
     for mod in (driver, arena, graphs, launch):
         monkeypatch.setattr(mod, "cu", cu)
     kernels = EmuKernels(cache)
-    monkeypatch.setattr(build, "Module", lambda name, arch: EmuModule(kernels, name))
-    import strata.kernels as K
-    monkeypatch.setattr(K, "Module", lambda name, arch: EmuModule(kernels, name))
+    monkeypatch.setattr(K, "Module", lambda name, arch: EmuModule(kernels, name))     # what Kernels loads
     monkeypatch.setattr(launch, "_SMEM_SET", {})
     monkeypatch.setattr(launch, "_PDL", dict(launch._PDL, probed=False))
     return cu

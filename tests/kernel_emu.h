@@ -1,12 +1,13 @@
 // kernel_emu.h: the CUDA kernels' own sources (strata/kernels/*.cu), compiled by g++ for the CPU. Each CUDA thread
 // of a CTA is a fiber (its own stack, switched cooperatively on one OS thread), the CTAs of a grid one after
-// another; __syncthreads is a barrier over the CTA's fibers and warp shuffles exchange through a per-warp slot array
-// between two barriers of the warp: a fiber that waits at a barrier yields to the next, round robin, so a barrier
-// costs one switch a thread (~20 ns) where OS threads cost a wake-up each (what made the whole CUDA backend too
-// slow to run here). cp.async is a plain copy made at issue (the worst case for a buffer reused too early), PTX prmt
-// and the f16 conversion are written out. It checks what the sources compute and how they index and synchronize,
-// not their speed; the kernels' inline PTX is under `#ifdef __CUDACC__` with a plain C++ twin beside it. A kernel
-// that spins on a value another thread of its CTA writes, without a barrier, would hang here (none does).
+// another; __syncthreads is a barrier over the CTA's fibers and a warp shuffle exchanges through a per-warp slot
+// array at one barrier of the warp: a fiber that waits at a barrier yields to the next, round robin, so a barrier
+// costs one switch a thread (~20 ns) where an OS thread a CUDA thread would cost a wake-up each, too slow for the
+// whole CUDA backend to run here (tests/emu_driver.py). cp.async is a plain copy made at issue (the worst case for a
+// buffer reused too early), PTX prmt and the f16 conversion are written out. It checks what the sources compute and
+// how they index and synchronize, not their speed; the kernels' inline PTX is under `#ifdef __CUDACC__` with a plain
+// C++ twin beside it. A kernel that spins on a value another thread of its CTA writes, without a barrier, would hang
+// here (none does).
 //
 // tests/kernel_emu.py compiles a kernel file with this header first and runs its kernels through emu_launch.
 #pragma once

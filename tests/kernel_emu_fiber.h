@@ -49,7 +49,6 @@ struct Fiber {
     void* sp = nullptr;
     unsigned char* stack = nullptr;     // mmap'd STACK + a guard page
     dim3 tid;
-    int t = 0;
     bool done = false;
     unsigned long seen = 0;             // sched.progress when it last yielded
     WgQueue wg;
@@ -199,7 +198,6 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                 for (int t = 0; t < nt; t++) {
                     Fiber& f = sched.fibers[t];
                     prime(f);
-                    f.t = t;
                     f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
                 }
                 // fiber 0 first; each switches to the next live one at a barrier, the last one out comes back here
