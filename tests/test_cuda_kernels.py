@@ -58,10 +58,11 @@ def test_sources_take_no_generic_lambda():
                 f"{f} line {text.count(chr(10), 0, m.start()) + 1}: a generic lambda ({m.group(0)})"
 
 
-def step_words(pos: int = 0, ring: int = 0, tokens=(0,)) -> np.ndarray:
-    """The step block (common.cuh): token, position, ring, row count T, logit rows, ..., then the rows' tokens."""
+def step_words(pos: int = 0, ring: int = 0, tokens=(0,), rows: int | None = None) -> np.ndarray:
+    """The step block (common.cuh): token, position, ring, row count T, logit rows, ..., then the rows' tokens;
+    `rows` gives T where the kernels read no tokens (more rows than the block holds)."""
     w = np.zeros(STEP_N, np.int32)
-    w[0], w[1], w[2], w[3], w[4] = tokens[0], pos, ring, len(tokens), 1
+    w[0], w[1], w[2], w[3], w[4] = tokens[0], pos, ring, len(tokens) if rows is None else rows, 1
     w[8:8 + len(tokens)] = tokens
     return w
 
@@ -473,11 +474,12 @@ def test_gdn_core(rig, Hk, Hv, D):
 @both_rigs
 @pytest.mark.parametrize("Hk,Hv,D", [(2, 6, 16), (3, 3, 24), (2, 4, 128)])
 def test_gdn_chunk(rig, Hk, Hv, D):
-    """gdn_conv, gdn_prep, gdn_scan and gdn_out over chunks of 5, 1 and 6 rows (the ring wraps inside and across chunks) against the
-    reference's chunk path, state and conv ring included."""
+    """gdn_conv, gdn_prep, gdn_scan and gdn_out over chunks of 5, 1, 6 and 37 rows (the ring wraps inside and across
+    chunks; gdn_scan's 16-row stages end inside the last chunk) against the reference's chunk path, state and conv
+    ring included."""
     rng = np.random.default_rng(D + Hv + 1)
     cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
-    E, K, cd, vd, Tm = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim, 6
+    E, K, cd, vd, Tm = cfg.n_embd, cfg.ssm_conv, cfg.conv_dim, cfg.value_dim, 37
     w = _gdn_weights(rng, cfg)
     st = GdnState.zeros(cfg)
     qkv, z, al, be = (rig.buf("qkv", (Tm, cd)), rig.buf("z", (Tm, vd)), rig.buf("alpha", (Tm, Hv)),
@@ -495,13 +497,13 @@ def test_gdn_chunk(rig, Hk, Hv, D):
             kgdn.gdn_scan_launch(fn("gdn_scan"), "scan", cfg, qn, kn, c, bt, eg, S, o, step, Tm),
             kgdn.gdn_out_launch(fn("gdn_out"), "out", cfg, o, z, nw, y, step, Tm))
     pos = 0
-    for T in (5, 1, 6):
+    for T in (5, 1, 6, 37):
         x = rng.standard_normal((T, E)).astype(F32)
         for buf, m in ((qkv, w.attn_qkv), (z, w.attn_gate), (al, w.ssm_alpha), (be, w.ssm_beta)):
             v = np.zeros((Tm, m.shape[0]), F32)
             v[:T] = x @ m.T
             buf.upload(v)
-        step.upload(step_words(pos=pos, tokens=(0,) * T))
+        step.upload(step_words(pos=pos, rows=T))
         rig.poison(y)
         rig.run(conv, *core)
         ref = gdn_chunk(cfg, as_rows(w, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"), [(st, 0, T)], x)
@@ -512,6 +514,53 @@ def test_gdn_chunk(rig, Hk, Hv, D):
         got_conv = ring.download()[[(t - (K - 2) + j) % K for j in range(K - 1)]]
         assert rel(got_conv, st.conv) <= TOL
         pos += T
+
+
+def variant_kernels(rig, monkeypatch, module: str, defines: str):
+    """fn_of(kernel name) of `module` built with `defines` added to $STRATA_KERNEL_DEFINES, on either rig (the GPU
+    builds it with NVRTC, the emulator with g++), beside the rig's own build."""
+    monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + " " + defines)
+    if isinstance(rig, EmuRig):
+        kx = EmuKernels(rig.k.cache)
+        return lambda n: kx.fn(module, n)
+    from strata.kernels.build import Module
+    m = Module(module, rig.dev.arch)
+    return m.function
+
+
+@both_rigs
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 4, 128), (3, 3, 24), (2, 2, 18)])
+@pytest.mark.parametrize("T", [37, 32, 1])
+def test_gdn_scan_stages(rig, monkeypatch, Hk, Hv, D, T):
+    """gdn_scan with its rows' inputs staged through shared memory (16 rows a stage, the default) against the build
+    that reads each row from global memory at its turn (GDN_STAGE=0): the same arithmetic, so bit for bit, at chunks
+    ending inside a stage, on its boundary and after one row; D = 24 leaves the second column block half empty,
+    D = 18 copies 4 bytes at a time (rows not a multiple of 16 bytes). The state starts non-zero."""
+    rng = np.random.default_rng(D * 100 + T)
+    cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
+    cd, vd = cfg.conv_dim, cfg.value_dim
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
+    qn = rig.buf("qn", (T, Hk, D), value=unit(rng.standard_normal((T, Hk, D))) / np.sqrt(D))
+    kn = rig.buf("kn", (T, Hk, D), value=unit(rng.standard_normal((T, Hk, D))))
+    c = rig.buf("c", (T, cd), value=rng.standard_normal((T, cd)))
+    bt, eg = rig.buf("bt", (T, Hv), value=rng.uniform(0, 1, (T, Hv))), rig.buf("eg", (T, Hv), value=rng.uniform(0.3, 1, (T, Hv)))
+    S0 = rng.standard_normal((Hv, D, D)).astype(F32)
+    S, o, step = rig.buf("S", (Hv, D, D)), rig.buf("o", (T, vd)), rig.buf("step", (STEP_N,), np.int32)
+    rig.commit()
+    step.upload(step_words(pos=5, rows=T))
+    scan = lambda fn: kgdn.gdn_scan_launch(fn, "scan", cfg, qn, kn, c, bt, eg, S, o, step, T)
+    staged = scan(rig.k.fn("gdn", "gdn_scan"))
+    direct = scan(variant_kernels(rig, monkeypatch, "gdn", "GDN_STAGE=0")("gdn_scan"))   # its launch: no smem
+    assert staged.smem > 0 and direct.smem == 0
+    outs = []
+    for launch in (staged, direct):
+        S.upload(S0)
+        rig.poison(o)
+        rig.run(launch)
+        outs.append((o.download(), S.download()))
+    (o1, s1), (o0, s0) = outs
+    assert np.isfinite(o1).all() and np.abs(o1).max() > 0
+    assert (o1 == o0).all() and (s1 == s0).all()
 
 
 # ---- QSA ---------------------------------------------------------------------------------------------------

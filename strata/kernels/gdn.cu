@@ -1,6 +1,6 @@
 // gdn.cu: the Gated DeltaNet core of one token, fused: causal conv + SiLU, q/k L2 norms, the gates, the delta-rule
 // state update, the output and its gated RMSNorm. The projections before it and ssm_out after it are GEMV jobs.
-#include "common.cuh"
+#include "quant.cuh"
 
 // One CTA per value head h (key head h % Hk, the converter's tiled order). Block (32*ceil(Dv/32), KS) with
 // KS = ceil(Dk/16): thread (v, ky) holds S[h, 16ky .. 16ky+15, v] in registers, so the state is read and written
@@ -178,19 +178,55 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(
 // gdn_scan (grid (Hv, ceil(Dv / 16)), 128 threads): the recurrence over the chunk's rows in order. The columns of a
 // head's state are independent (column v sees only q, k, v[v] and its own column), so a warp owns 4 columns: lane
 // = 8 * column + g holds S[16 g .. 16 g + 15, v] in registers from the first row to the last (read and written once
-// per chunk); the sums over the state's rows are 3 xor shuffles inside the column's 8 lanes, with no barrier, so
-// the warps run the rows independently. Per row, as gdn_core: S = eg S; delta = bt (v - S^T k); S += k delta^T;
-// o = S^T q -> o (rows, Hv, Dv), normalized by gdn_out. Dk <= 128.
-#ifndef GDN_PREFETCH
-#define GDN_PREFETCH 1
+// per chunk); the sums over the state's rows are 3 xor shuffles inside the column's 8 lanes. Per row, as gdn_core:
+// S = eg S; delta = bt (v - S^T k); S += k delta^T; o = S^T q -> o (rows, Hv, Dv), normalized by gdn_out. Dk <= 128.
+//
+// The rows' inputs do not depend on the state, so they reach the warps through shared memory GDN_ROWS rows at a
+// time, in two stages: the CTA's cp.async copies of rows r + GDN_ROWS .. are in flight while its warps run rows
+// r .., and no row waits for memory (a row's own arithmetic is a few hundred clocks, an L2 or HBM round trip
+// longer). The CTA's four warps share one copy of the key head's k and q. GDN_STAGE=0 reads each row's inputs from
+// global memory at its turn (the same arithmetic, so the same numbers: kept for the same-call comparison).
+#ifndef GDN_STAGE
+#define GDN_STAGE 1
 #endif
+#define GDN_ROWS 16
+// one row of a stage, in floats: k at 0, q at GDN_KP (lane group g's 16 values at 20 g, so that a float4 read by the
+// 8 groups covers 32 distinct banks), the CTA's 16 v at 2 GDN_KP, then eg and bt; 1360 bytes, 16-aligned
+#define GDN_KP 160
+#define GDN_RS (2 * GDN_KP + 20)
+
+// one row of the recurrence on a lane's 16 state rows; returns o[v] (the column's sum, in every lane of it)
+__device__ __forceinline__ float gdn_row(float (&st)[16], const float (&kr)[16], const float (&qr)[16], float e,
+                                         float b, float vv) {
+    float p = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        st[i] *= e;
+        p += st[i] * kr[i];
+    }
+    p += __shfl_xor_sync(FULL_MASK, p, 1);
+    p += __shfl_xor_sync(FULL_MASK, p, 2);
+    p += __shfl_xor_sync(FULL_MASK, p, 4);
+    const float delta = (vv - p) * b;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        st[i] = st[i] + kr[i] * delta;
+        q += st[i] * qr[i];
+    }
+    q += __shfl_xor_sync(FULL_MASK, q, 1);
+    q += __shfl_xor_sync(FULL_MASK, q, 2);
+    q += __shfl_xor_sync(FULL_MASK, q, 4);
+    return q;
+}
+
 extern "C" __global__ void __launch_bounds__(128) gdn_scan(
     const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ c,
     const float* __restrict__ bt, const float* __restrict__ eg, float* S, float* o, const i32* __restrict__ step,
     int Hk, int Hv, int Dk, int Dv) {
     pdl_begin();
     const int h = blockIdx.x, kh = h % Hk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int v = blockIdx.y * 16 + warp * 4 + (lane >> 3), g = lane & 7, T = step[STEP_T];
+    const int v0 = blockIdx.y * 16, cv = warp * 4 + (lane >> 3), v = v0 + cv, g = lane & 7, T = step[STEP_T];
     const int kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
     const bool col = v < Dv;
     float* Sh = S + (size_t)h * Dk * Dv;
@@ -200,57 +236,73 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
         const int k = g * 16 + i;
         st[i] = col && k < Dk ? Sh[(size_t)k * Dv + v] : 0.0f;
     }
-    // row t + 1's inputs are loaded while row t computes (they do not depend on the state): the recurrence's
-    // chain is then its arithmetic and shuffles, not a round trip to L2 per row (GDN_PREFETCH=0: each row's at its
-    // turn, for the same-call comparison; the same numbers either way)
-    float kr[16], qr[16], e = 0.0f, b = 0.0f, vv = 0.0f;
-    auto fetch = [&](int t, float (&kk)[16], float (&qq)[16], float& ee, float& bb, float& vx) {
+    float kr[16], qr[16];
+#if GDN_STAGE
+    float* sm = (float*)SMEM;
+    // zeros where no copy writes (k, q past Dk; v past Dv): the lanes multiply them by their zero state rows
+    for (int i = threadIdx.x; i < 2 * GDN_ROWS * GDN_RS; i += blockDim.x) sm[i] = 0.0f;
+    __syncthreads();
+    // a copy unit is 4 floats (16 bytes) where every row segment is a multiple of 4, else one float
+    const int nv = min(16, Dv - v0), w = Dk % 4 == 0 && Dv % 4 == 0 ? 4 : 1, uk = Dk / w, uv = nv / w;
+    const int U = 2 * uk + uv + 2, nst = (T + GDN_ROWS - 1) / GDN_ROWS;
+    const float* vsrc = c + 2 * kd + (size_t)h * Dv + v0;
+    auto issue = [&](int s) {
+        const int r0 = s * GDN_ROWS, n = min(GDN_ROWS, T - r0);
+        const int base = (s & 1) * GDN_ROWS * GDN_RS;
+        for (int i = threadIdx.x; i < n * U; i += blockDim.x) {
+            const int r = i / U, u = i % U, t = r0 + r, row = base + r * GDN_RS;
+            const float* src;
+            int dst;
+            if (u < 2 * uk) {
+                const int k = (u % uk) * w;
+                src = (u < uk ? kn : qn) + ((size_t)t * Hk + kh) * Dk + k;
+                dst = row + (u < uk ? 0 : GDN_KP) + (k >> 4) * 20 + (k & 15);
+            } else if (u < 2 * uk + uv) {
+                src = vsrc + (size_t)t * conv_dim + (u - 2 * uk) * w;
+                dst = row + 2 * GDN_KP + (u - 2 * uk) * w;
+            } else {
+                src = (u == U - 2 ? eg : bt) + (size_t)t * Hv + h;
+                dst = row + 2 * GDN_KP + 16 + (u == U - 2 ? 0 : 1);
+            }
+            if (w == 4 && u < 2 * uk + uv) cp_async16(4 * dst, (const u8*)src);
+            else cp_async4(4 * dst, (const u8*)src);
+        }
+        cp_async_commit();
+    };
+    if (nst > 0) issue(0);
+    for (int s = 0; s < nst; s++) {
+        cp_async_wait_pending<0>();
+        __syncthreads();                    // stage s is in; every warp is done with stage s - 1, whose buffer
+        if (s + 1 < nst) issue(s + 1);      // takes stage s + 1
+        const float* row = sm + (s & 1) * GDN_ROWS * GDN_RS;
+        const int n = min(GDN_ROWS, T - s * GDN_ROWS);
+        for (int r = 0; r < n; r++, row += GDN_RS) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float4 a = *(const float4*)(row + g * 20 + 4 * j), b = *(const float4*)(row + GDN_KP + g * 20 + 4 * j);
+                kr[4 * j] = a.x, kr[4 * j + 1] = a.y, kr[4 * j + 2] = a.z, kr[4 * j + 3] = a.w;
+                qr[4 * j] = b.x, qr[4 * j + 1] = b.y, qr[4 * j + 2] = b.z, qr[4 * j + 3] = b.w;
+            }
+            const float vv = col ? row[2 * GDN_KP + cv] : 0.0f;
+            const float q = gdn_row(st, kr, qr, row[2 * GDN_KP + 16], row[2 * GDN_KP + 17], vv);
+            if (col && g == 0) o[((size_t)(s * GDN_ROWS + r) * Hv + h) * Dv + v] = q;
+        }
+    }
+#else
+    for (int t = 0; t < T; t++) {
         const float* kt = kn + ((size_t)t * Hk + kh) * Dk;
         const float* qt = qn + ((size_t)t * Hk + kh) * Dk;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int k = g * 16 + i;
-            kk[i] = k < Dk ? kt[k] : 0.0f;
-            qq[i] = k < Dk ? qt[k] : 0.0f;
+            kr[i] = k < Dk ? kt[k] : 0.0f;
+            qr[i] = k < Dk ? qt[k] : 0.0f;
         }
-        ee = eg[(size_t)t * Hv + h];
-        bb = bt[(size_t)t * Hv + h];
-        vx = col ? c[(size_t)t * conv_dim + 2 * kd + h * Dv + v] : 0.0f;
-    };
-    if (GDN_PREFETCH && T > 0) fetch(0, kr, qr, e, b, vv);
-    for (int t = 0; t < T; t++) {
-        float kn1[16], qn1[16], e1 = 0.0f, b1 = 0.0f, v1 = 0.0f;
-        if (!GDN_PREFETCH) fetch(t, kr, qr, e, b, vv);
-        else if (t + 1 < T) fetch(t + 1, kn1, qn1, e1, b1, v1);
-        float p = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            st[i] *= e;
-            p += st[i] * kr[i];
-        }
-        p += __shfl_xor_sync(FULL_MASK, p, 1);
-        p += __shfl_xor_sync(FULL_MASK, p, 2);
-        p += __shfl_xor_sync(FULL_MASK, p, 4);
-        const float delta = (vv - p) * b;
-        float q = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            st[i] = st[i] + kr[i] * delta;
-            q += st[i] * qr[i];
-        }
-        q += __shfl_xor_sync(FULL_MASK, q, 1);
-        q += __shfl_xor_sync(FULL_MASK, q, 2);
-        q += __shfl_xor_sync(FULL_MASK, q, 4);
+        const float vv = col ? c[(size_t)t * conv_dim + 2 * kd + h * Dv + v] : 0.0f;
+        const float q = gdn_row(st, kr, qr, eg[(size_t)t * Hv + h], bt[(size_t)t * Hv + h], vv);
         if (col && g == 0) o[((size_t)t * Hv + h) * Dv + v] = q;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            kr[i] = kn1[i];
-            qr[i] = qn1[i];
-        }
-        e = e1;
-        b = b1;
-        vv = v1;
     }
+#endif
 #pragma unroll
     for (int i = 0; i < 16; i++) {
         const int k = g * 16 + i;

@@ -1077,6 +1077,17 @@ __device__ __forceinline__ void cp_async16(int dst, const u8* src) {
 #endif
 }
 
+// 4 bytes global -> shared, asynchronously (cp.async.ca: 4-byte copies cannot bypass L1); both 4-aligned
+__device__ __forceinline__ void cp_async4(int dst, const u8* src) {
+#ifdef __CUDACC__
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(SMEM + dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+#else
+    *(u32*)(SMEM + dst) = *(const u32*)src;
+#endif
+}
+
 #define STAGE_BATCH 12      // stage from host memory: 16-byte loads in flight per thread (48 KB per 256 threads)
 
 // chunk i of the ranges' 16-byte chunks: its source (16-aligned) and shared offset
