@@ -107,6 +107,8 @@ inline T emu_shfl(T v, int src_lane) {
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, (emu_linear_tid() & 31) ^ m); }
 template <class T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src & 31); }
+template <class T>
 inline T __shfl_up_sync(unsigned, T v, int d) {
     const int l = emu_linear_tid() & 31;
     return emu_shfl(v, l >= d ? l - d : l);
@@ -182,6 +184,38 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
         const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
         float acc = c[j];
         for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, n);
+        c[j] = acc;
+    }
+    __syncwarp();
+}
+
+// cvt.rna.tf32.f32: the 19 high bits, rounded to nearest with ties away from zero (a carry may reach the exponent,
+// up to infinity); infinities and NaNs as they are
+inline unsigned emu_tf32_rna(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return u;
+    return (u + 0x1000u) & ~0x1fffu;
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][t] (a0),
+// A[g+8][t] (a1), A[g][t+4] (a2), A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); C as m16n8k16's. An operand's 13
+// low bits are ignored; the products of tf32 values are exact in float; the sum runs over k in order.
+inline void emu_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
+    const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
+    unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
+    for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
+    F[6 * l + 4] = b[0];
+    F[6 * l + 5] = b[1];
+    __syncwarp();
+    auto val = [&](int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & ~0x1fffu); };
+    auto A = [&](int row, int k) { return val(4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); };
+    auto B = [&](int k, int n) { return val(4 * n + (k & 3), 4 + (k >> 2)); };
+    const int g = l / 4, tt = l % 4;
+    for (int j = 0; j < 4; j++) {
+        const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
+        float acc = c[j];
+        for (int k = 0; k < 8; k++) acc += A(row, k) * B(k, n);
         c[j] = acc;
     }
     __syncwarp();

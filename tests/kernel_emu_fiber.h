@@ -186,7 +186,7 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                 for (int w = 0; w < nw; w++) c.warp_bar[w].expected = std::min(32, nt - 32 * w);
                 c.slots.assign((size_t)nw * 64, 0);
                 c.frag.assign((size_t)nw * 32 * 6, 0);
-                c.smem.assign(smem + 16, 0xA5);     // poison: a read of unstaged shared memory shows in the result
+                c.smem.assign(smem + 16, 0xFF);     // poison (NaN floats): a read of unstaged shared memory shows in the result, even times 0
                 cta = &c;
                 bid = dim3{bx, by, bz};
                 sched.body = [&](int t) {

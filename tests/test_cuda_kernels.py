@@ -646,6 +646,55 @@ def test_qsa_layer(rig, geom):
 
 
 @both_rigs
+@pytest.mark.parametrize("H,Hkv,D,nsplit", [(24, 2, 256, 2), (4, 2, 24, 1), (40, 2, 18, 3)],
+                         ids=["flash-heads", "D24", "group20-D18"])
+def test_qsa_attn_cells(rig, H, Hkv, D, nsplit):
+    """qsa_attn and qsa_combine alone over long cell lists (10-60 rounds of 8 cells a split, so the softmax's
+    running maximum moves between rounds), two rows at different positions, each its own selected blocks and
+    incomplete tail, against float64 attention over the same cells. D = 24 and 18 pad the tensor-core kernel's
+    rows to 32 dimensions (18: 4-byte copies); 20 heads a kv head take two CTAs of 16."""
+    rng = np.random.default_rng(H + D)
+    ratio, max_ctx, rows, pos = 4, 1024, 2, 700
+    cfg = cfg_tiny(n_head=H, n_head_kv=Hkv, head_dim=D, n_rot=8, idx_budget=512, compress_ratios=(0, 0, 0, ratio))
+    il, ld = 3, max_ctx // ratio
+    q = rng.standard_normal((rows, H, D)).astype(F32)
+    Kc = (2 * rng.standard_normal((max_ctx, Hkv, D))).astype(F32)      # scores of a few units: a peaked softmax
+    Vc = rng.standard_normal((max_ctx, Hkv, D)).astype(F32)
+    gate = rng.standard_normal((rows, H, D)).astype(F32)
+    sel, meta, cells = np.full((rows, ld), -1, np.int32), np.zeros((rows, 2), np.int32), []
+    for r in range(rows):
+        t = pos + r
+        nb, tail = (t + 1) // ratio, (t + 1) % ratio
+        k = 100 + 25 * r                                                  # selected blocks: 400-500 cells
+        blocks = np.sort(rng.choice(nb, k, replace=False)).astype(np.int32)
+        sel[r, :k] = blocks
+        meta[r] = k, k * ratio + tail
+        cells.append(np.concatenate([(blocks[:, None] * ratio + np.arange(ratio)).ravel(),
+                                     nb * ratio + np.arange(tail)]))
+    qg = np.concatenate([q, gate], axis=2)                               # per head [q | gate]
+    b = SimpleNamespace(q=rig.buf("q", (rows, H, D), value=q), Kc=rig.buf("Kc", Kc.shape, value=Kc),
+                        Vc=rig.buf("Vc", Vc.shape, value=Vc), sel=rig.buf("sel", sel.shape, np.int32, sel),
+                        meta=rig.buf("meta", meta.shape, np.int32, meta), part=rig.buf("part", (rows, H, nsplit, D + 2)),
+                        qg=rig.buf("qg", qg.shape, value=qg), y=rig.buf("y", (rows, H * D)),
+                        step=rig.buf("step", (STEP_N,), np.int32, step_words(pos=pos, rows=rows)))
+    rig.commit()
+    rig.poison(b.part, b.y)
+    rig.run(kqsa.attn_launch(rig.k.fn("qsa", "qsa_attn"), "attn", cfg, il, b.q, b.Kc, b.Vc, b.sel, b.meta, b.part,
+                             b.step, max_ctx, nsplit, rows, ld),
+            kqsa.combine_launch(rig.k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.y, nsplit, b.step,
+                                rows))
+    got = b.y.download().reshape(rows, H, D)
+    group = H // Hkv
+    for r in range(rows):
+        for h in range(H):
+            K, V = Kc[cells[r], h // group].astype(np.float64), Vc[cells[r], h // group].astype(np.float64)
+            s = K @ q[r, h].astype(np.float64) / np.sqrt(D)
+            p = np.exp(s - s.max())
+            ref = (p @ V) / p.sum() / (1 + np.exp(-gate[r, h].astype(np.float64)))
+            assert rel(got[r, h], ref) <= TOL, f"row {r} head {h}"
+
+
+@both_rigs
 def test_qsa_select_ties(rig):
     """Top-k with many exact ties at the cut: lower block indices win, like select_blocks."""
     cfg = cfg_tiny(idx_budget=40)                 # top 10 blocks of ratio 4

@@ -314,6 +314,220 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 #endif
 }
 
+#ifndef QSA_TC
+#define QSA_TC 1
+#endif
+#if QSA_TC
+// ---- qsa_attn on the tensor cores (QSA_TC=1, the default; QSA_TC=0 builds the CUDA-core kernel below) -------------
+//
+// Grid (Hkv * ceil(group / 16), nsplit, rows), 4 warps: a CTA takes 16 query heads of one kv head (the M of an
+// m16n8k8 MMA; 12 of flash's 16 used) and split sp of a row's cells, 8 cells a round (the N of the scores' MMA),
+// K and V rows staged by cp.async into shared memory one round ahead. Warp w takes dimensions [w Dp/4, (w+1) Dp/4)
+// (Dp: D rounded up to 32): its part of the scores S = Q K^T (its q fragments in registers for the whole split),
+// summed over the 4 warps through shared memory in warp order; then every warp runs the same online softmax and
+// O[:, its dims] += P V. Each product in 3xTF32 (lo(A) hi(B), hi(A) lo(B), hi(A) hi(B), every operand split into a
+// tf32 pair: 2^-22 of f32's unit dropped, not the 2^-11 of one TF32 MMA) with f32 accumulators. Rows of K and V
+// are padded (Dp + 4, Dp + 8 floats) so that the fragments' shared-memory reads hit 32 distinct banks. Partials as
+// the CUDA-core kernel's: part[(h * nsplit + sp) * (D + 2)] = {m, l, acc[D]} (m = -inf when empty).
+// Dynamic shared memory (qsa.py attn_smem): 2 rounds of 8 K rows and 8 V rows, then the split's cells (cap).
+#define QSA_TU 8
+
+__device__ __forceinline__ u32 tf32_rna(float x) {
+#ifdef __CUDACC__
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+#else
+    return emu_tf32_rna(x);
+#endif
+}
+
+// x = hi + lo + (2^-22 of x at most), both tf32
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    hi = tf32_rna(x);
+    lo = tf32_rna(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
+#ifdef __CUDACC__
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    emu_mma_tf32(c, a, b);
+#endif
+}
+
+// c += A B in 3xTF32, the small products first
+__device__ __forceinline__ void mma_tf32x3(float* c, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+    mma_tf32(c, al, bh);
+    mma_tf32(c, ah, bl);
+    mma_tf32(c, ah, bh);
+}
+
+__device__ __forceinline__ void cp_async_wait_all_() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(128) qsa_attn(const float* __restrict__ q, const float* __restrict__ Kc,
+                                                           const float* __restrict__ Vc, const i32* __restrict__ sel,
+                                                           const i32* __restrict__ meta, float* part,
+                                                           const i32* __restrict__ step, int H, int Hkv, int D,
+                                                           int ratio, int nsplit, int ld, int cap) {
+    constexpr int MAXKS = QSA_MAXD / 32;            // a warp's k-steps (of 8 dimensions) at the largest D
+    __shared__ __align__(16) float sh_s[2][4][32][4];     // round parity, warp, lane: the warps' partial scores
+    const int Dp = (D + 31) & ~31, LK = Dp + 4, LV = Dp + 8, KS = Dp / 32, stage_f = QSA_TU * (LK + LV);
+    float* kvbuf = (float*)SMEM;                    // [round parity][K: 8 rows of LK][V: 8 rows of LV]
+    i32* cells = (i32*)(kvbuf + 2 * stage_f);       // the split's cells, at most cap
+    pdl_begin();
+    const int group = H / Hkv, mtiles = (group + 15) / 16, kvh = blockIdx.x / mtiles;
+    const int hm = (blockIdx.x % mtiles) * 16, h0 = kvh * group + hm, nh = min(16, group - hm);
+    const int sp = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    if (row >= step[STEP_T]) return;
+    q += (size_t)row * H * D;
+    sel += (size_t)row * ld;
+    meta += 2 * row;
+    part += (size_t)row * H * nsplit * (D + 2);
+    const int nb = (step[STEP_POS] + row + 1) / ratio, nsc = meta[0] * ratio, n_cells = meta[1];
+    const int per = (n_cells + nsplit - 1) / nsplit, i0 = sp * per, i1 = min(n_cells, i0 + per);
+    const int n_mine = max(0, min(i1 - i0, cap));
+    const int rounds = (n_mine + QSA_TU - 1) / QSA_TU;
+    // zeros in the rows' padding (dimensions D .. Dp), which no copy writes and the MMAs read
+    for (int i = threadIdx.x; i < 2 * stage_f; i += blockDim.x) kvbuf[i] = 0.0f;
+    for (int k = threadIdx.x; k < n_mine; k += blockDim.x) {
+        const int iu = i0 + k;
+        cells[k] = iu < nsc ? sel[iu / ratio] * ratio + iu % ratio : nb * ratio + (iu - nsc);
+    }
+    __syncthreads();
+    const bool vec = (D & 3) == 0;
+    const int unit = vec ? 4 : 1, per_row = D / unit;
+    auto issue = [&](int r) {           // round r's cells into stage r & 1 (past the last cell: the last again)
+        if (r < rounds) {
+            float* st = kvbuf + (r & 1) * stage_f;
+#pragma unroll
+            for (int u = 0; u < QSA_TU; u++) {
+                const size_t o = ((size_t)cells[min(r * QSA_TU + u, n_mine - 1)] * Hkv + kvh) * D;
+                for (int e = threadIdx.x; e < 2 * per_row; e += blockDim.x) {
+                    const int kv = e >= per_row, d = (e - kv * per_row) * unit;
+                    cp_async_f(st + (kv ? QSA_TU * LK + u * LV : u * LK) + d, (kv ? Vc : Kc) + o + d, vec);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    issue(0);
+    // this warp's q fragments (A of the scores' MMAs: head g or g + 8, dimension t or t + 4 of each k-step), scaled
+    const float scale = 1.0f / sqrtf((float)D);
+    const int dw = w * 8 * KS;                      // the warp's first dimension
+    u32 qh[MAXKS][4], ql[MAXKS][4];
+#pragma unroll
+    for (int ks = 0; ks < MAXKS; ks++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int hd = g + 8 * (i & 1), d = dw + 8 * ks + t + 4 * (i >> 1);
+            const float v = ks < KS && hd < nh && d < D ? q[(size_t)(h0 + hd) * D + d] * scale : 0.0f;
+            tf32_split(v, qh[ks][i], ql[ks][i]);
+        }
+    // rows g and g + 8 of the softmax (every lane of group g holds the same), and O's fragments: n8 tile ks of
+    // dimensions dw + 8 ks .., c0 c1 row g, columns 2t, 2t + 1; c2 c3 row g + 8
+    float m0 = -F_INF, m1 = -F_INF, l0 = 0.0f, l1 = 0.0f, acc[MAXKS][4];
+#pragma unroll
+    for (int ks = 0; ks < MAXKS; ks++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[ks][e] = 0.0f;
+    for (int r = 0; r < rounds; r++) {
+        cp_async_wait_all_();
+        __syncthreads();                // round r is in; every warp is done with round r - 1, whose stage
+        issue(r + 1);                   // takes round r + 1
+        const float* Ks = kvbuf + (r & 1) * stage_f;
+        const float* Vs = Ks + QSA_TU * LK;
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < MAXKS; ks++)
+            if (ks < KS) {
+                const int k0 = dw + 8 * ks;
+                u32 bh[2], bl[2];
+                tf32_split(Ks[g * LK + k0 + t], bh[0], bl[0]);          // B[k][n] = K[cell n][k0 + k]
+                tf32_split(Ks[g * LK + k0 + t + 4], bh[1], bl[1]);
+                mma_tf32x3(s, qh[ks], ql[ks], bh, bl);
+            }
+        *(float4*)sh_s[r & 1][w][lane] = make_float4(s[0], s[1], s[2], s[3]);
+        __syncthreads();
+        float4 tot = *(const float4*)sh_s[r & 1][0][lane];
+#pragma unroll
+        for (int v = 1; v < 4; v++) {
+            const float4 o = *(const float4*)sh_s[r & 1][v][lane];
+            tot.x += o.x, tot.y += o.y, tot.z += o.z, tot.w += o.w;
+        }
+        // cells 2t, 2t + 1 of the round for heads g (x, y) and g + 8 (z, w); past the split's cells: -inf
+        const int c = r * QSA_TU + 2 * t;
+        const float s0 = c < n_mine ? tot.x : -F_INF, s1 = c + 1 < n_mine ? tot.y : -F_INF;
+        const float s2 = c < n_mine ? tot.z : -F_INF, s3 = c + 1 < n_mine ? tot.w : -F_INF;
+        float x0 = fmaxf(s0, s1), x1 = fmaxf(s2, s3);
+        x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, 1));
+        x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, 1));
+        x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, 2));
+        x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, 2));
+        const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);   // finite: a round has at least one cell
+        const float corr0 = expf(m0 - n0), corr1 = expf(m1 - n1);
+        m0 = n0, m1 = n1;
+        const float p0 = expf(s0 - n0), p1 = expf(s1 - n0), p2 = expf(s2 - n1), p3 = expf(s3 - n1);
+        float r0 = p0 + p1, r1 = p2 + p3;
+        r0 += __shfl_xor_sync(FULL_MASK, r0, 1);
+        r1 += __shfl_xor_sync(FULL_MASK, r1, 1);
+        r0 += __shfl_xor_sync(FULL_MASK, r0, 2);
+        r1 += __shfl_xor_sync(FULL_MASK, r1, 2);
+        l0 = l0 * corr0 + r0;
+        l1 = l1 * corr1 + r1;
+        // P as the A fragment of O's MMA (16 heads x 8 cells): P[g][t], P[g+8][t], P[g][t+4], P[g+8][t+4], from the
+        // lanes of group g that hold cells t and t + 4 (cell 2j + i is lane j's value i)
+        const int src = 4 * g + (t >> 1);
+        const bool odd = t & 1;
+        const float lo_e = __shfl_sync(FULL_MASK, p0, src), lo_o = __shfl_sync(FULL_MASK, p1, src);     // P[g][t]
+        const float lo8_e = __shfl_sync(FULL_MASK, p2, src), lo8_o = __shfl_sync(FULL_MASK, p3, src);  // P[g+8][t]
+        const float hi_e = __shfl_sync(FULL_MASK, p0, src + 2), hi_o = __shfl_sync(FULL_MASK, p1, src + 2);
+        const float hi8_e = __shfl_sync(FULL_MASK, p2, src + 2), hi8_o = __shfl_sync(FULL_MASK, p3, src + 2);
+        u32 ph[4], pl[4];
+        tf32_split(odd ? lo_o : lo_e, ph[0], pl[0]);
+        tf32_split(odd ? lo8_o : lo8_e, ph[1], pl[1]);
+        tf32_split(odd ? hi_o : hi_e, ph[2], pl[2]);
+        tf32_split(odd ? hi8_o : hi8_e, ph[3], pl[3]);
+#pragma unroll
+        for (int ks = 0; ks < MAXKS; ks++)
+            if (ks < KS) {
+                const int dn = dw + 8 * ks + g;
+                acc[ks][0] *= corr0, acc[ks][1] *= corr0, acc[ks][2] *= corr1, acc[ks][3] *= corr1;
+                u32 bh[2], bl[2];
+                tf32_split(Vs[t * LV + dn], bh[0], bl[0]);              // B[k][n] = V[cell k][dn - g + n]
+                tf32_split(Vs[(t + 4) * LV + dn], bh[1], bl[1]);
+                mma_tf32x3(acc[ks], ph, pl, bh, bl);
+            }
+    }
+    cp_async_wait_all_();               // no copy outlives the CTA (the empty group after the last round)
+    const float bad = i1 - i0 > cap ? __int_as_float(0x7fc00000) : 0.0f;     // more cells than the launch holds: NaN
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int hd = g + 8 * hr;
+        if (hd >= nh) continue;
+        float* o = part + ((size_t)(h0 + hd) * nsplit + sp) * (D + 2);
+        if (w == 0 && t == 0) {
+            o[0] = hr ? m1 : m0;
+            o[1] = (hr ? l1 : l0) + bad;
+        }
+#pragma unroll
+        for (int ks = 0; ks < MAXKS; ks++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int d = dw + 8 * ks + 2 * t + e;
+                if (ks < KS && d < D) o[2 + d] = acc[ks][2 * hr + e];
+            }
+    }
+}
+#else
 extern "C" __global__ void __launch_bounds__(256) qsa_attn(const float* __restrict__ q, const float* __restrict__ Kc,
                                                            const float* __restrict__ Vc, const i32* __restrict__ sel,
                                                            const i32* __restrict__ meta, float* part,
@@ -476,6 +690,7 @@ extern "C" __global__ void __launch_bounds__(256) qsa_attn(const float* __restri
         }
     }
 }
+#endif
 
 // y[h*D + d] = softmax-weighted V of head h (the splits merged) * sigmoid(gate[h, d]); grid (H, rows), per row
 // part + r H nsplit (D+2), qg + r H 2D, y + r H D.
