@@ -397,7 +397,8 @@ extern "C" __global__ void __launch_bounds__(128) qsa_attn(const float* __restri
     const int n_mine = max(0, min(i1 - i0, cap));
     const int rounds = (n_mine + QSA_TU - 1) / QSA_TU;
     // zeros in the rows' padding (dimensions D .. Dp), which no copy writes and the MMAs read
-    for (int i = threadIdx.x; i < 2 * stage_f; i += blockDim.x) kvbuf[i] = 0.0f;
+    if (Dp != D)
+        for (int i = threadIdx.x; i < 2 * stage_f; i += blockDim.x) kvbuf[i] = 0.0f;
     for (int k = threadIdx.x; k < n_mine; k += blockDim.x) {
         const int iu = i0 + k;
         cells[k] = iu < nsc ? sel[iu / ratio] * ratio + iu % ratio : nb * ratio + (iu - nsc);
