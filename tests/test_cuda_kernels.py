@@ -977,6 +977,52 @@ def test_combine_write_rms(rig):
     assert rel(xn.download(), rms_norm(Rn, nv, 1e-6)) <= TOL
 
 
+@both_rigs
+@pytest.mark.parametrize("hc", [4, 2])
+def test_combine_rows(rig, hc):
+    """The batched step's combine, gr_write and next norm (one CTA a row, every stream) over 6 rows, parts from the
+    GPU's pair outputs or the host's, against numpy; each row bit for bit what combine_write_rms gives that row."""
+    rng = np.random.default_rng(hc)
+    rows, k, E = 6, 5, 300
+    cfg = cfg_tiny(n_embd=E, n_expert_used=k, hc=hc)
+    wv = rng.dirichlet(np.ones(k), rows).astype(F32)
+    pair_v = rng.permutation(rows * k).astype(np.int32)
+    pair_v[rng.random(rows * k) < 0.3] = -1                               # those rows' parts from the host
+    gp, hp = rng.standard_normal((rows * k, E)).astype(F32), rng.standard_normal((rows * k, E)).astype(F32)
+    sh, sg = rng.standard_normal((rows, E)).astype(F32), rng.standard_normal(rows).astype(F32)
+    inj, Rv = rng.standard_normal((rows, hc)).astype(F32), rng.standard_normal((rows, hc, E)).astype(F32)
+    nv = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
+    bufs = [rig.buf(n, v.shape, v.dtype, v) for n, v in (("w", wv), ("pair", pair_v), ("gp", gp), ("hp", hp),
+                                                         ("sh", sh), ("sg", sg), ("inj", inj))]
+    R, comb, nb, xn = (rig.buf("R", (rows, hc, E), value=Rv), rig.buf("comb", (rows, E)),
+                       rig.buf("n", (hc, E), value=nv), rig.buf("xn", (rows, hc, E)))
+    # one row at a time through the one-row kernel, on copies of that row's inputs
+    R1, comb1, xn1 = rig.buf("R1", (hc, E)), rig.buf("comb1", (E,)), rig.buf("xn1", (hc, E))
+    one = [rig.buf(n, shape, dt) for n, shape, dt in (("w1", (k,), F32), ("slots1", (k,), np.int32),
+                                                       ("gp1", (k, E), F32), ("hp1", (k, E), F32), ("sh1", (E,), F32),
+                                                       ("sg1", (1,), F32), ("inj1", (hc,), F32))]
+    step = rig.buf("step", (STEP_N,), np.int32, step_words(rows=rows))
+    rig.commit()
+    rig.poison(comb, xn)
+    rig.run(kmoe.combine_rows_launch(rig.k.fn("moe", "combine_rows"), "combine", cfg, *bufs, R, comb, nb, xn, step,
+                                     rows))
+    got_R, got_comb, got_xn = R.download(), comb.download(), xn.download()
+    parts = np.where(pair_v.reshape(rows, k, 1) >= 0, gp[np.maximum(pair_v, 0)].reshape(rows, k, E),
+                     hp.reshape(rows, k, E))
+    out = combine(wv, parts, (sh * (1 / (1 + np.exp(-sg)))[:, None]).astype(F32))
+    Rn = gr_write(Rv, (2 / (1 + np.exp(-inj / hc))).astype(F32), out)
+    assert rel(got_comb, out) <= TOL and rel(got_R, Rn) <= TOL
+    assert rel(got_xn, rms_norm(Rn, nv, 1e-6)) <= TOL
+    for t in range(rows):
+        slots = np.where(pair_v[t * k:(t + 1) * k] >= 0, 0, -1).astype(np.int32)
+        for b, v in zip(one, (wv[t], slots, parts[t], parts[t], sh[t], sg[t:t + 1], inj[t])):
+            b.upload(v)
+        R1.upload(Rv[t])
+        rig.run(kmoe.combine_launch(rig.k.fn("moe", "combine_write_rms"), "combine1", cfg, *one, R1, comb1, nb, xn1))
+        assert (comb1.download() == got_comb[t]).all() and (R1.download() == got_R[t]).all()
+        assert (xn1.download() == got_xn[t]).all(), f"row {t}"
+
+
 # ---- PLE ---------------------------------------------------------------------------------------------------
 
 @both_rigs

@@ -447,7 +447,9 @@ MOE_GEMMS(64_k128, 128, 2, 4, 2, 2, 4)
 
 // combine_write_rms for the step's rows: row t's out = sum_j wts[t, j] part(t, j) + sigmoid(sg[t]) shared[t], part
 // = gpu_out[pair_of[t k + j]] when that is >= 0, else host_parts[t k + j]; then gr_write and the next read's norm
-// as combine_write_rms. grid (hc, rows); comb (rows, E) written by the CTAs of stream 0.
+// as combine_write_rms, for every stream s < hc (<= 4). grid (rows): a row's combine is read from its k parts once
+// for all its streams (a CTA per stream read them hc times: 4x the bytes of the kernel's largest read). Each
+// thread's elements and sums are those of the CTA per stream, so the same numbers bit for bit. comb (rows, E).
 extern "C" __global__ void __launch_bounds__(1024) combine_rows(
     const float* __restrict__ wts, const i32* __restrict__ pair_of, const float* __restrict__ gpu_out,
     const float* __restrict__ host_parts, const float* __restrict__ shared, const float* __restrict__ sg,
@@ -457,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(1024) combine_rows(
     __shared__ float sw[64];
     __shared__ const float* sp[64];
     pdl_begin();
-    const int s = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    const int t = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     if (t >= step[STEP_T]) return;
     if (tid < k) {
         sw[tid] = wts[t * k + tid];
@@ -465,21 +467,34 @@ extern "C" __global__ void __launch_bounds__(1024) combine_rows(
         sp[tid] = p >= 0 ? gpu_out + (size_t)p * E : host_parts + ((size_t)t * k + tid) * E;
     }
     __syncthreads();
-    const float inj = 2.0f * sigmoidf_(inj_raw[t * hc + s] / (float)hc), gs = sigmoidf_(sg[t]);
-    float* r = R + ((size_t)t * hc + s) * E;
+    const float gs = sigmoidf_(sg[t]);
+    float inj[4], ss[4];
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        inj[s] = s < hc ? 2.0f * sigmoidf_(inj_raw[t * hc + s] / (float)hc) : 0.0f;
+        ss[s] = 0.0f;
+    }
+    float* r = R + (size_t)t * hc * E;
     const float* sh = shared + (size_t)t * E;
-    float ss = 0.0f;
     for (int e = tid; e < E; e += nt) {
         float o = 0.0f;
 #pragma unroll 4
         for (int j = 0; j < k; j++) o += sw[j] * sp[j][e];
         o += sh[e] * gs;
-        if (s == 0) comb[(size_t)t * E + e] = o;
-        const float v = r[e] + inj * o;
-        r[e] = v;
-        ss += v * v;
+        comb[(size_t)t * E + e] = o;
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+            if (s < hc) {
+                const float v = r[(size_t)s * E + e] + inj[s] * o;
+                r[(size_t)s * E + e] = v;
+                ss[s] += v * v;
+            }
     }
-    ss = block_sum(ss, red);
-    const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-    for (int e = tid; e < E; e += nt) xn[((size_t)t * hc + s) * E + e] = (r[e] * inv) * w_next[(size_t)s * E + e];
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+        if (s < hc) {
+            const float inv = 1.0f / sqrtf(block_sum(ss[s], red) / (float)E + eps);
+            for (int e = tid; e < E; e += nt)
+                xn[((size_t)t * hc + s) * E + e] = (r[(size_t)s * E + e] * inv) * w_next[(size_t)s * E + e];
+        }
 }

@@ -11,6 +11,7 @@ from strata.config import ModelConfig
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
 from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geometry, tile_smem, xq_bytes
+from strata.kernels.hc import MAX_HC
 
 MAX_EXPERTS = 1024      # one router thread per expert
 MAX_USED = 64           # pk[] in moe_route
@@ -338,6 +339,8 @@ def combine_rows_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, pair_of:
     need(w_next, name + " next norm", hc * E)
     need(comb, name + " comb", rows * E)
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (hc, rows), (1024,), 0,
+    if hc > MAX_HC:
+        raise ValueError(f"{name}: {hc} residual streams; combine_rows takes at most {MAX_HC}")
+    return Launch(fn, name, (rows,), (1024,), 0,
                   [P(wts), P(pair_of), P(gpu_out), P(host_parts), P(shared), P(sg), P(inj_raw), P(R), P(comb),
                    P(w_next), P(xn), P(step), I(k), I(E), I(hc), F(cfg.rms_eps)])
