@@ -314,13 +314,23 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
 // Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), decoded (part_deq's decoders) and split into Ws (BM
 // rows), shift[r] each row's power of two; elements past n_in and rows past nrows are zero. Items are (row, part)
 // pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
+// GEMM_DEQ_UNROLL=2 (a variant to time; default 1): a thread's items two at a time, the pointers restrict, so that
+// the next item's weight loads may be issued before this item's stores (the tile is bound by the latency of few
+// warps: bench/RESULTS.md, 2026-12-03 second session's ncu), at 2.7x deq_tile's code (5,904 -> 15,760 SASS
+// instructions in w_split_k128), where instruction fetch was already a stall reason.
+#ifndef GEMM_DEQ_UNROLL
+#define GEMM_DEQ_UNROLL 1
+#endif
+#define GM_PRAGMA(x) _Pragma(#x)
+#define GM_UNROLL(n) GM_PRAGMA(unroll n)
 template <int BK, class F>
-__device__ __forceinline__ void deq_tile_q(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                           int* shift, bool wlo, int lo) {
+__device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
+                                           float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
-    for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
+    GM_UNROLL(GEMM_DEQ_UNROLL)
+    for (int i = threadIdx.x; i < BM * PPT; i += GM_THREADS) {
         const int row = i / PPT, gp = gp0 + i % PPT, blk = gp / F::NP, p = gp % F::NP, e0 = blk * F::QK - k0;
         float v[F::EPP];
         if (row < nrows && blk * F::QK < n_in) {
