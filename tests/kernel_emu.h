@@ -166,27 +166,36 @@ inline void emu_ldsm4(unsigned addr, unsigned* r) {
     }
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][2t, 2t+1]
-// (a0), A[g+8][..] (a1), A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1); C[g][2t,
-// 2t+1] (c0, c1), C[g+8][..] (c2, c3). The products of halves are exact in float; the sum runs over k in order.
-inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
+// The warp's mma.sync: every lane's fragments (4 words of A, 2 of B) exchanged through the CTA's fragment slots,
+// then lane L's accumulators C[g][2t, 2t+1] (c0, c1), C[g+8][..] (c2, c3) (g = L / 4, t = L % 4) += sum over k in
+// order of A(lane words)(row, k) B(..)(k, n); the products of half or tf32 values are exact in float.
+template <class FA, class FB>
+inline void emu_mma(float* c, const unsigned* a, const unsigned* b, int K, FA A, FB B) {
     const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
     unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
     for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
     F[6 * l + 4] = b[0];
     F[6 * l + 5] = b[1];
     __syncwarp();
-    auto half = [&](int lane, int reg, int hi) { return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi))); };
-    auto A = [&](int row, int k) { return half(4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); };
-    auto B = [&](int k, int n) { return half(4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); };
     const int g = l / 4, tt = l % 4;
     for (int j = 0; j < 4; j++) {
         const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
         float acc = c[j];
-        for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, n);
+        for (int k = 0; k < K; k++) acc += A(F, row, k) * B(F, k, n);
         c[j] = acc;
     }
     __syncwarp();
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: lane L holds A[g][2t, 2t+1] (a0), A[g+8][..] (a1),
+// A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1)
+inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
+    auto half = [](const unsigned* F, int lane, int reg, int hi) {
+        return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi)));
+    };
+    emu_mma(c, a, b, 16,
+            [&](const unsigned* F, int row, int k) { return half(F, 4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); },
+            [&](const unsigned* F, int k, int n) { return half(F, 4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); });
 }
 
 // cvt.rna.tf32.f32: the 19 high bits, rounded to nearest with ties away from zero (a carry may reach the exponent,
@@ -198,27 +207,13 @@ inline unsigned emu_tf32_rna(float x) {
     return (u + 0x1000u) & ~0x1fffu;
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][t] (a0),
-// A[g+8][t] (a1), A[g][t+4] (a2), A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); C as m16n8k16's. An operand's 13
-// low bits are ignored; the products of tf32 values are exact in float; the sum runs over k in order.
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: lane L holds A[g][t] (a0), A[g+8][t] (a1), A[g][t+4] (a2),
+// A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); an operand's 13 low bits are ignored
 inline void emu_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
-    const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
-    unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
-    for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
-    F[6 * l + 4] = b[0];
-    F[6 * l + 5] = b[1];
-    __syncwarp();
-    auto val = [&](int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & ~0x1fffu); };
-    auto A = [&](int row, int k) { return val(4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); };
-    auto B = [&](int k, int n) { return val(4 * n + (k & 3), 4 + (k >> 2)); };
-    const int g = l / 4, tt = l % 4;
-    for (int j = 0; j < 4; j++) {
-        const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
-        float acc = c[j];
-        for (int k = 0; k < 8; k++) acc += A(row, k) * B(k, n);
-        c[j] = acc;
-    }
-    __syncwarp();
+    auto val = [](const unsigned* F, int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & ~0x1fffu); };
+    emu_mma(c, a, b, 8,
+            [&](const unsigned* F, int row, int k) { return val(F, 4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); },
+            [&](const unsigned* F, int k, int n) { return val(F, 4 * n + (k & 3), 4 + (k >> 2)); });
 }
 
 // wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by
