@@ -27,7 +27,7 @@ IFS=';' read -ra qv <<< "${QSA_VARIANTS:-}"
 for i in "${!qv[@]}"; do
     STRATA_KERNEL_DEFINES="${qv[$i]}" timeout "${QSA_S:-80}" python3 bench/gpu_check.py --phases qsa \
         > "$out/qsa_$i.log" 2>&1
-    echo "qsa defines '${qv[$i]}':"; grep -E "^qsa |Error" "$out/qsa_$i.log"
+    echo "qsa defines '${qv[$i]}':"; grep -E "\] qsa |Error" "$out/qsa_$i.log"
 done
 wait
 echo "model ready at ${SECONDS} s"
