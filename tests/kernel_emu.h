@@ -168,7 +168,7 @@ inline void emu_ldsm4(unsigned addr, unsigned* r) {
 
 // The warp's mma.sync: every lane's fragments (4 words of A, 2 of B) exchanged through the CTA's fragment slots,
 // then lane L's accumulators C[g][2t, 2t+1] (c0, c1), C[g+8][..] (c2, c3) (g = L / 4, t = L % 4) += sum over k in
-// order of A(lane words)(row, k) B(..)(k, n); the products of half or tf32 values are exact in float.
+// order of A(lane words)(row, k) B(..)(k, n); the products of halves are exact in float.
 template <class FA, class FB>
 inline void emu_mma(float* c, const unsigned* a, const unsigned* b, int K, FA A, FB B) {
     const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
@@ -196,24 +196,6 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
     emu_mma(c, a, b, 16,
             [&](const unsigned* F, int row, int k) { return half(F, 4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); },
             [&](const unsigned* F, int k, int n) { return half(F, 4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); });
-}
-
-// cvt.rna.tf32.f32: the 19 high bits, rounded to nearest with ties away from zero (a carry may reach the exponent,
-// up to infinity); infinities and NaNs as they are
-inline unsigned emu_tf32_rna(float x) {
-    unsigned u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u) return u;
-    return (u + 0x1000u) & ~0x1fffu;
-}
-
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: lane L holds A[g][t] (a0), A[g+8][t] (a1), A[g][t+4] (a2),
-// A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); an operand's 13 low bits are ignored
-inline void emu_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
-    auto val = [](const unsigned* F, int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & ~0x1fffu); };
-    emu_mma(c, a, b, 8,
-            [&](const unsigned* F, int row, int k) { return val(F, 4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); },
-            [&](const unsigned* F, int k, int n) { return val(F, 4 * n + (k & 3), 4 + (k >> 2)); });
 }
 
 // wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by

@@ -651,8 +651,8 @@ def test_qsa_layer(rig, geom):
 def test_qsa_attn_cells(rig, H, Hkv, D, nsplit):
     """qsa_attn and qsa_combine alone over long cell lists (10-60 rounds of 8 cells a split, so the softmax's
     running maximum moves between rounds), two rows at different positions, each its own selected blocks and
-    incomplete tail, against float64 attention over the same cells. D = 24 and 18 pad the tensor-core kernel's
-    rows to 32 dimensions (18: 4-byte copies); 20 heads a kv head take two CTAs of 16."""
+    incomplete tail, against float64 attention over the same cells; D = 18 copies 4 bytes at a time, 20 heads a kv
+    head take 5 warps."""
     rng = np.random.default_rng(H + D)
     ratio, max_ctx, rows, pos = 4, 1024, 2, 700
     cfg = cfg_tiny(n_head=H, n_head_kv=Hkv, head_dim=D, n_rot=8, idx_budget=512, compress_ratios=(0, 0, 0, ratio))

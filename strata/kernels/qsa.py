@@ -15,16 +15,8 @@ MAX_GROUP = 32          # query heads per kv head: the attention CTA's warps (8 
 
 
 def attn_warps(cfg: ModelConfig) -> int:
-    """Warps of a qsa_attn CTA: 4 on the tensor cores (QSA_TC, the default: each a quarter of the dimensions);
-    the CUDA-core kernel's: the kv head's group of query heads, QSA_HW heads a warp."""
-    if define("QSA_TC", 1):
-        return 4
+    """Warps of a qsa_attn CTA: the kv head's group of query heads, QSA_HW heads a warp."""
     return -(-(cfg.n_head // cfg.n_head_kv) // define("QSA_HW", 4))
-
-
-def attn_ctas(cfg: ModelConfig) -> int:
-    """qsa_attn's grid.x: per kv head, one CTA per 16 query heads of its group on the tensor cores, else one."""
-    return cfg.n_head_kv * (-(-(cfg.n_head // cfg.n_head_kv) // 16) if define("QSA_TC", 1) else 1)
 
 
 def attn_cap(cfg: ModelConfig, il: int, nsplit: int) -> int:
@@ -34,14 +26,8 @@ def attn_cap(cfg: ModelConfig, il: int, nsplit: int) -> int:
 
 
 def attn_smem(cfg: ModelConfig, il: int, nsplit: int) -> int:
-    """qsa_attn's dynamic shared memory: rounds of cells' K and V rows, then a split's cells. Tensor cores: 2
-    rounds of 8 cells, rows padded to D rounded up to 32 plus 4 (K) and 8 (V) floats; CUDA cores: QSA_STAGES
-    rounds of QSA_U cells."""
-    cells = 4 * attn_cap(cfg, il, nsplit)
-    if define("QSA_TC", 1):
-        dp = -(-cfg.head_dim // 32) * 32
-        return 2 * 8 * (2 * dp + 12) * 4 + cells
-    return define("QSA_STAGES", 2) * define("QSA_U", 8) * 2 * cfg.head_dim * 4 + cells
+    """qsa_attn's dynamic shared memory: QSA_STAGES rounds of QSA_U cells' K and V rows, then a split's cells."""
+    return define("QSA_STAGES", 2) * define("QSA_U", 8) * 2 * cfg.head_dim * 4 + 4 * attn_cap(cfg, il, nsplit)
 
 
 def check_geometry(cfg: ModelConfig) -> None:
@@ -137,7 +123,7 @@ def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevAr
     need(meta, name + " counts", 2 * rows, np.int32)
     need(part, name + " partials", rows * H * nsplit * (D + 2))
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (attn_ctas(cfg), nsplit, rows), (32 * attn_warps(cfg),), attn_smem(cfg, il, nsplit),
+    return Launch(fn, name, (Hkv, nsplit, rows), (32 * attn_warps(cfg),), attn_smem(cfg, il, nsplit),
                   [P(q), P(Kc), P(Vc), P(sel), P(meta), P(part), P(step), I(H), I(Hkv), I(D),
                    I(cfg.compress_ratios[il]), I(nsplit), I(ld), I(attn_cap(cfg, il, nsplit))])
 
