@@ -10,6 +10,8 @@ gemv      GB/s of the GEMV kernels at the flash shapes (and the hc read's up_mix
           timed with events (median of 15 replays, per launch), next to 4.2 TB/s
 qsa       QSA attention (qsa_attn + qsa_combine) at the flash heads: a 4096-row prefill chunk past the budget at
           two positions and one decode row, ms and fp32 TFLOP/s (phase_qsa)
+gdn       the chunk's GDN core at the flash heads (16 key heads, 48 value heads of 128): gdn_conv, gdn_prep,
+          gdn_scan and gdn_out over a 4096-row chunk, ms each (phase_gdn)
 mapped    one layer's expert kernels of a mapped decode token with 0, 1, 2, 5, 10 of its 10 experts read from pinned
           host memory over PCIe: ms a layer (phase_mapped)
 model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists (the
@@ -347,6 +349,59 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
     RESULTS["gemv"] = {"rows": rows_out, "pdl": pdl_status(), "sweep": sweep_rows}
 
 
+def phase_gdn(rows: int = 4096) -> None:
+    """The batched GDN core at the flash heads over a chunk of `rows` (random inputs, a state carried across the
+    replays): gdn_conv, gdn_prep, gdn_scan, gdn_out, each the median ms of 15 replays of its own captured graph."""
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena
+    from strata.kernels import Kernels
+    from strata.kernels import gdn as kgdn
+    from strata.model.synth import preset_config
+    cfg = preset_config("flash")
+    Hk, Hv, D, K, cd, vd = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv, cfg.conv_dim,
+                            cfg.value_dim)
+    dev = drv.Device.open()
+    kern = Kernels(dev.arch)
+    stream = drv.Stream()
+    rng = np.random.default_rng(5)
+    A = Arena()
+    bufs = {n: A.reserve(n, shape) for n, shape in (
+        ("qkv", (rows, cd)), ("z", (rows, vd)), ("alpha", (rows, Hv)), ("beta", (rows, Hv)), ("conv_w", (cd, K)),
+        ("dt", (Hv,)), ("A", (Hv,)), ("norm", (D,)), ("ring", (K, cd)), ("c", (rows, cd)), ("qn", (rows, Hk, D)),
+        ("kn", (rows, Hk, D)), ("bt", (rows, Hv)), ("eg", (rows, Hv)), ("S", (Hv, D, D)), ("o", (rows, vd)),
+        ("y", (rows, vd)))}
+    step = A.reserve("step", (16,), np.int32)
+    A.commit()
+    for n in ("qkv", "z", "alpha", "beta", "conv_w", "dt", "norm"):
+        bufs[n].upload(rng.standard_normal(bufs[n].shape).astype(np.float32))
+    bufs["A"].upload(-rng.uniform(0.01, 4, Hv).astype(np.float32))
+    for n in ("ring", "S"):
+        bufs[n].upload(np.zeros(bufs[n].shape, np.float32))
+    w = np.zeros(16, np.int32)
+    w[1], w[3], w[4] = 8192, rows, 1
+    step.upload(w)
+    b = bufs
+    fn = lambda n: kern.fn("gdn", n)
+    launches = {
+        "gdn_conv": kgdn.gdn_conv_launch(fn("gdn_conv"), "conv", cfg, b["qkv"], b["conv_w"], b["ring"], b["c"], step,
+                                         rows),
+        "gdn_prep": kgdn.gdn_prep_launch(fn("gdn_prep"), "prep", cfg, b["c"], b["qkv"], b["alpha"], b["beta"],
+                                         b["dt"], b["A"], b["qn"], b["kn"], b["bt"], b["eg"], b["ring"], step, rows),
+        "gdn_scan": kgdn.gdn_scan_launch(fn("gdn_scan"), "scan", cfg, b["qn"], b["kn"], b["c"], b["bt"], b["eg"],
+                                         b["S"], b["o"], step, rows),
+        "gdn_out": kgdn.gdn_out_launch(fn("gdn_out"), "out", cfg, b["o"], b["z"], b["norm"], b["y"], step, rows)}
+    for l in launches.values():             # inputs for the scan and the norm: one eager pass
+        l.enqueue(stream)
+    stream.synchronize("gdn inputs")
+    out = {name: graph_ms(f"gdn {name}", stream, [l]) for name, l in launches.items()}
+    defines = os.environ.get("STRATA_KERNEL_DEFINES", "")
+    say(f"gdn {rows} rows, defines '{defines}': " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items())
+        + f"; scan {launches['gdn_scan'].grid} CTAs of {launches['gdn_scan'].block[0]}")
+    A.free()
+    stream.destroy()
+    RESULTS.setdefault("gdn", []).append({"defines": defines, "rows": rows, "ms": out})
+
+
 def phase_qsa() -> None:
     """QSA attention (qsa_attn + qsa_combine) at the flash heads (24 query heads of 256, 2 kv heads, a budget of
     2048 cells): a 4096-row prefill chunk at positions 4096 and 28672 (every query past the budget: 512 selected
@@ -593,7 +648,7 @@ def main() -> None:
     global FLASH, ROUTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, mapped, model, bench, profile")
+    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, gdn, mapped, model, bench, profile")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
@@ -620,6 +675,8 @@ def main() -> None:
                 phase_gemv(a.sweep, a.once)
             elif p == "qsa":
                 phase_qsa()
+            elif p == "gdn":
+                phase_gdn()
             elif p == "mapped":
                 phase_mapped()
             elif p == "model":
@@ -629,7 +686,7 @@ def main() -> None:
             elif p == "profile":
                 phase_profile(a.tokens)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, mapped, model, bench, profile")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, gdn, mapped, model, bench, profile")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")
