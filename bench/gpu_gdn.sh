@@ -2,7 +2,7 @@
 # The batched GDN core on the GPU machine, one call: for each set of compile-time defines in VARIANTS (';'-separated,
 # the first the default build), the GDN kernel tests in that build, then bench/gpu_check.py's gdn phase (gdn_conv,
 # gdn_prep, gdn_scan and gdn_out over a 4096-row chunk at the flash heads). Logs: $OUT/gdn_<n>.log.
-#   VARIANTS=";GDN_STAGE=0;GDN_LPC=4" bash bench/gpu_gdn.sh
+#   VARIANTS=";NAME=VALUE" bash bench/gpu_gdn.sh   (the default build, then one with that -D define)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1

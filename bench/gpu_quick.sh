@@ -5,7 +5,7 @@
 # (gpu_check.py --phases bench). Each part has its own time limit so that one slow part leaves the rest their
 # time; logs in $OUT as one logs.tgz (the device tool brings back few files).
 #   bash bench/gpu_quick.sh
-#   KTESTS="..." (the kernel tests' -k, default the batched kernels'), QSA_VARIANTS=";QSA_TC=0" (the QSA attention
+#   KTESTS="..." (the kernel tests' -k, default the batched kernels'), QSA_VARIANTS=";QSA_HW=6" (the QSA attention
 #   phase per build), DECODE_S=0 (no decode)
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
 timeout "${KTESTS_S:-120}" python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py \
     -k "${KTESTS:-gemm or grouped or prepared or qsa or gdn or combine}" > "$out/kernel_tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$out/kernel_tests.log" | tail -8
-# QSA_VARIANTS=";QSA_TC=0": qsa_attn + qsa_combine at the flash heads per build (gpu_check.py's qsa phase, no model)
+# QSA_VARIANTS=";QSA_HW=6": qsa_attn + qsa_combine at the flash heads per build (gpu_check.py's qsa phase, no model)
 IFS=';' read -ra qv <<< "${QSA_VARIANTS:-}"
 for i in "${!qv[@]}"; do
     STRATA_KERNEL_DEFINES="${qv[$i]}" timeout "${QSA_S:-80}" python3 bench/gpu_check.py --phases qsa \

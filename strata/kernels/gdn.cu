@@ -175,71 +175,47 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(
         for (int i = threadIdx.x; i < Dv; i += blockDim.x) dst[2 * kd + h * Dv + i] = raw[2 * kd + h * Dv + i];
 }
 
-// gdn_scan (grid (Hv, ceil(Dv / CPC)), 128 threads): the recurrence over the chunk's rows in order. The columns of a
-// head's state are independent (column v sees only q, k, v[v] and its own column), so a warp owns 32 / GDN_LPC
-// columns: lane = GDN_LPC * column + g holds the SR = 128 / GDN_LPC state rows S[SR g .. SR g + SR - 1, v] in
-// registers from the first row to the last (read and written once per chunk); the sums over the state's rows are
-// log2(GDN_LPC) xor shuffles inside the column's lanes, each lane's own part in GDN_PS interleaved partial sums (a
-// shorter dependent chain). Per row, as gdn_core: S = eg S; delta = bt (v - S^T k); S += k delta^T; o = S^T q ->
-// o (rows, Hv, Dv), normalized by gdn_out. Dk <= 128. CPC = 4 warps x 32 / GDN_LPC columns a CTA.
+// gdn_scan (grid (Hv, ceil(Dv / 16)), 128 threads): the recurrence over the chunk's rows in order. The columns of a
+// head's state are independent (column v sees only q, k, v[v] and its own column), so a warp owns 4 columns: lane
+// = 8 * column + g holds S[16 g .. 16 g + 15, v] in registers from the first row to the last (read and written once
+// per chunk); the sums over the state's rows are 3 xor shuffles inside the column's 8 lanes. Per row, as gdn_core:
+// S = eg S; delta = bt (v - S^T k); S += k delta^T; o = S^T q -> o (rows, Hv, Dv), normalized by gdn_out. Dk <= 128.
 //
 // The rows' inputs do not depend on the state, so they reach the warps through shared memory GDN_ROWS rows at a
 // time, in two stages: the CTA's cp.async copies of rows r + GDN_ROWS .. are in flight while its warps run rows
-// r .., and no row waits for memory. The CTA's four warps share one copy of the key head's k and q. GDN_STAGE=0
-// reads each row's inputs from global memory at its turn (the same arithmetic, so the same numbers).
-// The recurrence is a chain of dependent steps per row (the row's sums, their shuffles, the update), the whole
-// chunk long: GDN_LPC and GDN_PS trade that chain's length against shuffles and registers (bench/gpu_check.py
-// --phases gdn times the variants; H100, 4096 rows: the first build, 8 lanes and one sum, 1.9 ms a layer).
-#ifndef GDN_STAGE
-#define GDN_STAGE 1
-#endif
-#ifndef GDN_LPC
-#define GDN_LPC 8         // lanes per column: 8 (16 state rows a lane) or 4 (32)
-#endif
-#ifndef GDN_PS
-#define GDN_PS 1          // partial sums a lane keeps per row sum: 1, 2 or 4
-#endif
-#define GDN_SR (128 / GDN_LPC)
-#define GDN_CPC (128 / GDN_LPC)
+// r .., and no row waits for memory (a row's own arithmetic is a few hundred clocks, an L2 or HBM round trip
+// longer). The CTA's four warps share one copy of the key head's k and q. H100, 4096 rows at the flash heads
+// (bench/gpu_check.py --phases gdn): 2.03 ms, against 6.35 reading each row from global memory at its turn; 4
+// lanes a column (32 state rows a lane, 2 shuffles a sum) 2.22, and 4 partial sums a lane 2.02 (not kept).
 #define GDN_ROWS 16
-// one row of a stage, in floats: k at 0, q at GDN_KP (lane group g's SR values at (SR + 4) g, so that a float4
-// read by a quarter-warp's groups covers distinct banks), the CTA's CPC v at 2 GDN_KP, then eg and bt; 16-aligned
-#define GDN_GS (GDN_SR + 4)
-#define GDN_KP (GDN_LPC * GDN_GS)
-#define GDN_RS (2 * GDN_KP + GDN_CPC + 4)
-static_assert(GDN_LPC == 8 || GDN_LPC == 4, "gdn_scan: 8 or 4 lanes a column");
-static_assert(GDN_PS == 1 || GDN_PS == 2 || GDN_PS == 4, "gdn_scan: 1, 2 or 4 partial sums");
+// one row of a stage, in floats: k at 0, q at GDN_KP (lane group g's 16 values at 20 g, so that a float4 read by the
+// 8 groups covers 32 distinct banks), the CTA's 16 v at 2 GDN_KP, then eg and bt; 1360 bytes, 16-aligned
+#define GDN_KP 160
+#define GDN_RS (2 * GDN_KP + 20)
 
-// the column's sum of a lane's part over its GDN_LPC lanes
-__device__ __forceinline__ float gdn_colsum(float p) {
+// one row of the recurrence on a lane's 16 state rows; returns o[v] (the column's sum, in every lane of it)
+__device__ __forceinline__ float gdn_row(float (&st)[16], const float (&kr)[16], const float (&qr)[16], float e,
+                                         float b, float vv) {
+    float p = 0.0f;
 #pragma unroll
-    for (int o = 1; o < GDN_LPC; o <<= 1) p += __shfl_xor_sync(FULL_MASK, p, o);
-    return p;
-}
-
-// sum_i a[i] b[i] in GDN_PS interleaved partial sums, added pairwise at the end
-__device__ __forceinline__ float gdn_dot(const float (&a)[GDN_SR], const float (&b)[GDN_SR]) {
-    float ps[GDN_PS];
+    for (int i = 0; i < 16; i++) {
+        st[i] *= e;
+        p += st[i] * kr[i];
+    }
+    p += __shfl_xor_sync(FULL_MASK, p, 1);
+    p += __shfl_xor_sync(FULL_MASK, p, 2);
+    p += __shfl_xor_sync(FULL_MASK, p, 4);
+    const float delta = (vv - p) * b;
+    float q = 0.0f;
 #pragma unroll
-    for (int j = 0; j < GDN_PS; j++) ps[j] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < GDN_SR; i++) ps[i % GDN_PS] += a[i] * b[i];
-#pragma unroll
-    for (int w = 1; w < GDN_PS; w <<= 1)
-#pragma unroll
-        for (int j = 0; j < GDN_PS; j += 2 * w) ps[j] += ps[j + w];
-    return ps[0];
-}
-
-// one row of the recurrence on a lane's state rows; returns o[v] (the column's sum, in every lane of it)
-__device__ __forceinline__ float gdn_row(float (&st)[GDN_SR], const float (&kr)[GDN_SR], const float (&qr)[GDN_SR],
-                                         float e, float b, float vv) {
-#pragma unroll
-    for (int i = 0; i < GDN_SR; i++) st[i] *= e;
-    const float delta = (vv - gdn_colsum(gdn_dot(st, kr))) * b;
-#pragma unroll
-    for (int i = 0; i < GDN_SR; i++) st[i] = st[i] + kr[i] * delta;
-    return gdn_colsum(gdn_dot(st, qr));
+    for (int i = 0; i < 16; i++) {
+        st[i] = st[i] + kr[i] * delta;
+        q += st[i] * qr[i];
+    }
+    q += __shfl_xor_sync(FULL_MASK, q, 1);
+    q += __shfl_xor_sync(FULL_MASK, q, 2);
+    q += __shfl_xor_sync(FULL_MASK, q, 4);
+    return q;
 }
 
 extern "C" __global__ void __launch_bounds__(128) gdn_scan(
@@ -248,25 +224,23 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
     int Hk, int Hv, int Dk, int Dv) {
     pdl_begin();
     const int h = blockIdx.x, kh = h % Hk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int v0 = blockIdx.y * GDN_CPC, cv = warp * (32 / GDN_LPC) + lane / GDN_LPC, v = v0 + cv;
-    const int g = lane % GDN_LPC, T = step[STEP_T];
+    const int v0 = blockIdx.y * 16, cv = warp * 4 + (lane >> 3), v = v0 + cv, g = lane & 7, T = step[STEP_T];
     const int kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
     const bool col = v < Dv;
     float* Sh = S + (size_t)h * Dk * Dv;
-    float st[GDN_SR];
+    float st[16];
 #pragma unroll
-    for (int i = 0; i < GDN_SR; i++) {
-        const int k = g * GDN_SR + i;
+    for (int i = 0; i < 16; i++) {
+        const int k = g * 16 + i;
         st[i] = col && k < Dk ? Sh[(size_t)k * Dv + v] : 0.0f;
     }
-    float kr[GDN_SR], qr[GDN_SR];
-#if GDN_STAGE
+    float kr[16], qr[16];
     float* sm = (float*)SMEM;
     // zeros where no copy writes (k, q past Dk; v past Dv): the lanes multiply them by their zero state rows
     for (int i = threadIdx.x; i < 2 * GDN_ROWS * GDN_RS; i += blockDim.x) sm[i] = 0.0f;
     __syncthreads();
     // a copy unit is 4 floats (16 bytes) where every row segment is a multiple of 4, else one float
-    const int nv = min(GDN_CPC, Dv - v0), w = Dk % 4 == 0 && Dv % 4 == 0 ? 4 : 1, uk = Dk / w, uv = nv / w;
+    const int nv = min(16, Dv - v0), w = Dk % 4 == 0 && Dv % 4 == 0 ? 4 : 1, uk = Dk / w, uv = nv / w;
     const int U = 2 * uk + uv + 2, nst = (T + GDN_ROWS - 1) / GDN_ROWS;
     const float* vsrc = c + 2 * kd + (size_t)h * Dv + v0;
     auto issue = [&](int s) {
@@ -279,13 +253,13 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
             if (u < 2 * uk) {
                 const int k = (u % uk) * w;
                 src = (u < uk ? kn : qn) + ((size_t)t * Hk + kh) * Dk + k;
-                dst = row + (u < uk ? 0 : GDN_KP) + (k / GDN_SR) * GDN_GS + k % GDN_SR;
+                dst = row + (u < uk ? 0 : GDN_KP) + (k >> 4) * 20 + (k & 15);
             } else if (u < 2 * uk + uv) {
                 src = vsrc + (size_t)t * conv_dim + (u - 2 * uk) * w;
                 dst = row + 2 * GDN_KP + (u - 2 * uk) * w;
             } else {
                 src = (u == U - 2 ? eg : bt) + (size_t)t * Hv + h;
-                dst = row + 2 * GDN_KP + GDN_CPC + (u == U - 2 ? 0 : 1);
+                dst = row + 2 * GDN_KP + 16 + (u == U - 2 ? 0 : 1);
             }
             if (w == 4 && u < 2 * uk + uv) cp_async16(4 * dst, (const u8*)src);
             else cp_async4(4 * dst, (const u8*)src);
@@ -301,35 +275,19 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
         const int n = min(GDN_ROWS, T - s * GDN_ROWS);
         for (int r = 0; r < n; r++, row += GDN_RS) {
 #pragma unroll
-            for (int j = 0; j < GDN_SR / 4; j++) {
-                const float4 a = *(const float4*)(row + g * GDN_GS + 4 * j);
-                const float4 b = *(const float4*)(row + GDN_KP + g * GDN_GS + 4 * j);
+            for (int j = 0; j < 4; j++) {
+                const float4 a = *(const float4*)(row + g * 20 + 4 * j), b = *(const float4*)(row + GDN_KP + g * 20 + 4 * j);
                 kr[4 * j] = a.x, kr[4 * j + 1] = a.y, kr[4 * j + 2] = a.z, kr[4 * j + 3] = a.w;
                 qr[4 * j] = b.x, qr[4 * j + 1] = b.y, qr[4 * j + 2] = b.z, qr[4 * j + 3] = b.w;
             }
             const float vv = col ? row[2 * GDN_KP + cv] : 0.0f;
-            const float q = gdn_row(st, kr, qr, row[2 * GDN_KP + GDN_CPC], row[2 * GDN_KP + GDN_CPC + 1], vv);
+            const float q = gdn_row(st, kr, qr, row[2 * GDN_KP + 16], row[2 * GDN_KP + 17], vv);
             if (col && g == 0) o[((size_t)(s * GDN_ROWS + r) * Hv + h) * Dv + v] = q;
         }
     }
-#else
-    for (int t = 0; t < T; t++) {
-        const float* kt = kn + ((size_t)t * Hk + kh) * Dk;
-        const float* qt = qn + ((size_t)t * Hk + kh) * Dk;
 #pragma unroll
-        for (int i = 0; i < GDN_SR; i++) {
-            const int k = g * GDN_SR + i;
-            kr[i] = k < Dk ? kt[k] : 0.0f;
-            qr[i] = k < Dk ? qt[k] : 0.0f;
-        }
-        const float vv = col ? c[(size_t)t * conv_dim + 2 * kd + h * Dv + v] : 0.0f;
-        const float q = gdn_row(st, kr, qr, eg[(size_t)t * Hv + h], bt[(size_t)t * Hv + h], vv);
-        if (col && g == 0) o[((size_t)t * Hv + h) * Dv + v] = q;
-    }
-#endif
-#pragma unroll
-    for (int i = 0; i < GDN_SR; i++) {
-        const int k = g * GDN_SR + i;
+    for (int i = 0; i < 16; i++) {
+        const int k = g * 16 + i;
         if (col && k < Dk) Sh[(size_t)k * Dv + v] = st[i];
     }
 }

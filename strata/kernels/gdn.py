@@ -7,7 +7,6 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.cuda.arena import DevArray
 from strata.cuda.launch import F, I, Launch, P, need
-from strata.kernels.build import define
 
 
 def block_shape(cfg: ModelConfig) -> tuple[int, int]:
@@ -74,17 +73,9 @@ def gdn_prep_launch(fn, name: str, cfg: ModelConfig, c: DevArray, qkv: DevArray,
                    I(Hv), I(D), I(D), I(K)])
 
 
-def scan_lanes() -> int:
-    """gdn_scan's lanes per state column (GDN_LPC): 8 (16 state rows a lane) or 4 (32)."""
-    return define("GDN_LPC", 8)
-
-
 def scan_smem() -> int:
-    """gdn_scan's dynamic shared memory: two stages of GDN_ROWS (16) rows of GDN_RS floats (gdn.cu: k and q padded,
-    the CTA's v, the gates), none where the build reads each row from global memory (GDN_STAGE=0)."""
-    lpc = scan_lanes()
-    rs = 2 * lpc * (128 // lpc + 4) + 128 // lpc + 4
-    return 2 * 16 * rs * 4 if define("GDN_STAGE", 1) else 0
+    """gdn_scan's dynamic shared memory: two stages of GDN_ROWS (16) rows of GDN_RS (340) floats (gdn.cu)."""
+    return 2 * 16 * 340 * 4
 
 
 def gdn_scan_launch(fn, name: str, cfg: ModelConfig, qn: DevArray, kn: DevArray, c: DevArray, bt: DevArray,
@@ -92,13 +83,13 @@ def gdn_scan_launch(fn, name: str, cfg: ModelConfig, qn: DevArray, kn: DevArray,
     """The delta rule over the step's rows in order, each state column in registers for the whole chunk."""
     Hk, Hv, D = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
     if D > 128:
-        raise ValueError(f"{name}: key head dim {D} > 128 (the lanes of a column hold 128 state rows)")
+        raise ValueError(f"{name}: key head dim {D} > 128 (8 lanes of 16 state rows per column)")
     for a, what, n in ((qn, "q", Hk * D), (kn, "k", Hk * D), (c, "conv out", cfg.conv_dim), (bt, "beta gate", Hv),
                        (eg, "decay", Hv), (o, "out", cfg.value_dim)):
         need(a, f"{name} {what}", rows * n)
     need(S, name + " state", Hv * D * D)
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (Hv, -(-D // (128 // scan_lanes()))), (128,), scan_smem(),
+    return Launch(fn, name, (Hv, -(-D // 16)), (128,), scan_smem(),
                   [P(qn), P(kn), P(c), P(bt), P(eg), P(S), P(o), P(step), I(Hk), I(Hv), I(D), I(D)])
 
 

@@ -153,14 +153,15 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #ifndef GEMM_XPREP
 #define GEMM_XPREP 1
 #endif
-// GEMM_WPREP (default 0 until the H200 has timed it: bench/GPU_NOTES.md): a job's weights may come prepared by
+// GEMM_WPREP (default 1; 0 builds the tiles without the copy, for a same-call comparison): a job's weights may come prepared by
 // w_split (gemm.cu), decoded and split once per launch into the same planes x_split writes for x, which the tile
 // then copies instead of decoding: a prefill chunk's plain tiles decode every weight once per N tile (32 times at
 // 4096 rows), the issue-bound part of the wgmma tile once x is prepared. The planes take 4 bytes a weight against
 // the quantized ~0.5-1, so the launch walks its tiles in groups of M tiles (gemm_jobs_body's swz) to read each
-// group's planes from L2 for every N tile. wgmma tiles only.
+// group's planes from L2 for every N tile. wgmma tiles only. H100, 2026-12-05 (bench/RESULTS.md): a 4096-row chunk
+// 1,347 -> 1,214 ms; attn_qkv 2.34 -> 1.97 ms, hc down 0.92 -> 0.50 ms, splits included.
 #ifndef GEMM_WPREP
-#define GEMM_WPREP 0
+#define GEMM_WPREP 1
 #endif
 
 // Where a tile's element (r, k) of a k-chunk lives in shared memory: the byte offset of its hi half from the tile's
@@ -314,22 +315,12 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
 // Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), decoded (part_deq's decoders) and split into Ws (BM
 // rows), shift[r] each row's power of two; elements past n_in and rows past nrows are zero. Items are (row, part)
 // pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
-// GEMM_DEQ_UNROLL=2 (a variant to time; default 1): a thread's items two at a time, the pointers restrict, so that
-// the next item's weight loads may be issued before this item's stores (the tile is bound by the latency of few
-// warps: bench/RESULTS.md, 2026-12-03 second session's ncu), at 2.7x deq_tile's code (5,904 -> 15,760 SASS
-// instructions in w_split_k128), where instruction fetch was already a stall reason.
-#ifndef GEMM_DEQ_UNROLL
-#define GEMM_DEQ_UNROLL 1
-#endif
-#define GM_PRAGMA(x) _Pragma(#x)
-#define GM_UNROLL(n) GM_PRAGMA(unroll n)
 template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
                                            float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
-    GM_UNROLL(GEMM_DEQ_UNROLL)
     for (int i = threadIdx.x; i < BM * PPT; i += GM_THREADS) {
         const int row = i / PPT, gp = gp0 + i % PPT, blk = gp / F::NP, p = gp % F::NP, e0 = blk * F::QK - k0;
         float v[F::EPP];

@@ -43,9 +43,10 @@ XPREP_MIN_OUT = 1024
 XS_ROW_ALIGN = 128      # xs planes' rows: a multiple of every tile's BN and BM
 # GEMM_WPREP=1 (gemm.cuh): the batched step's plain GEMM ops, in buckets of at least WPREP_MIN_ROWS rows, read their
 # weights decoded and split once per launch by w_split (wsplit_launch) instead of once per N tile, the launch's
-# CTAs in groups of WPREP_GROUP M tiles (gemm_jobs_body's swz). Off by default until the H200 has timed it against
-# the tile's own decode (bench/gpu_gemm.sh VARIANTS); both numbers are build defines so that a variant can move them.
-WPREP = define("GEMM_WPREP", 0) if define("GEMM_WGMMA", 1) else 0
+# CTAs in groups of WPREP_GROUP M tiles (gemm_jobs_body's swz). On by default: a 4096-row chunk 10% faster than the
+# tiles' own decode on an H100 (bench/RESULTS.md, 2026-12-05 fourth session); GEMM_WPREP=0 builds without it, and
+# both numbers are build defines so that a variant can move them.
+WPREP = define("GEMM_WPREP", 1) if define("GEMM_WGMMA", 1) else 0
 WPREP_MIN_ROWS = define("GEMM_WPREP_MIN_ROWS", 1024)
 WPREP_GROUP = define("GEMM_WPREP_GROUP", 16)
 
