@@ -1066,27 +1066,22 @@ __device__ __forceinline__ Ranges ranges2(const u8* s0, int n0, const u8* s1, in
     return R;
 }
 
-// 16 bytes global -> shared, asynchronously (cp.async, cached in L2 only: weights are read once); both 16-aligned
-__device__ __forceinline__ void cp_async16(int dst, const u8* src) {
+// N bytes global -> shared at dynamic shared offset dst, asynchronously: 16 (cp.async.cg, cached in L2 only: weights
+// are read once) or 4 (cp.async.ca: 4-byte copies cannot bypass L1); both N-aligned
+template <int N>
+__device__ __forceinline__ void cp_async_n(int dst, const u8* src) {
+    static_assert(N == 16 || N == 4, "cp_async_n: 16 or 4 bytes");
 #ifdef __CUDACC__
     u32 d;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(SMEM + dst));
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    if (N == 16) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 #else
-    *(uint4*)(SMEM + dst) = *(const uint4*)src;
+    std::memcpy(SMEM + dst, src, N);
 #endif
 }
-
-// 4 bytes global -> shared, asynchronously (cp.async.ca: 4-byte copies cannot bypass L1); both 4-aligned
-__device__ __forceinline__ void cp_async4(int dst, const u8* src) {
-#ifdef __CUDACC__
-    u32 d;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(SMEM + dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-#else
-    *(u32*)(SMEM + dst) = *(const u32*)src;
-#endif
-}
+__device__ __forceinline__ void cp_async16(int dst, const u8* src) { cp_async_n<16>(dst, src); }
+__device__ __forceinline__ void cp_async4(int dst, const u8* src) { cp_async_n<4>(dst, src); }
 
 #define STAGE_BATCH 12      // stage from host memory: 16-byte loads in flight per thread (48 KB per 256 threads)
 
