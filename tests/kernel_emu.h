@@ -107,8 +107,6 @@ inline T emu_shfl(T v, int src_lane) {
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, (emu_linear_tid() & 31) ^ m); }
 template <class T>
-inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src & 31); }
-template <class T>
 inline T __shfl_up_sync(unsigned, T v, int d) {
     const int l = emu_linear_tid() & 31;
     return emu_shfl(v, l >= d ? l - d : l);
@@ -166,36 +164,27 @@ inline void emu_ldsm4(unsigned addr, unsigned* r) {
     }
 }
 
-// The warp's mma.sync: every lane's fragments (4 words of A, 2 of B) exchanged through the CTA's fragment slots,
-// then lane L's accumulators C[g][2t, 2t+1] (c0, c1), C[g+8][..] (c2, c3) (g = L / 4, t = L % 4) += sum over k in
-// order of A(lane words)(row, k) B(..)(k, n); the products of halves are exact in float.
-template <class FA, class FB>
-inline void emu_mma(float* c, const unsigned* a, const unsigned* b, int K, FA A, FB B) {
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][2t, 2t+1]
+// (a0), A[g+8][..] (a1), A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1); C[g][2t,
+// 2t+1] (c0, c1), C[g+8][..] (c2, c3). The products of halves are exact in float; the sum runs over k in order.
+inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
     const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
     unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
     for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
     F[6 * l + 4] = b[0];
     F[6 * l + 5] = b[1];
     __syncwarp();
+    auto half = [&](int lane, int reg, int hi) { return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi))); };
+    auto A = [&](int row, int k) { return half(4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); };
+    auto B = [&](int k, int n) { return half(4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); };
     const int g = l / 4, tt = l % 4;
     for (int j = 0; j < 4; j++) {
         const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
         float acc = c[j];
-        for (int k = 0; k < K; k++) acc += A(F, row, k) * B(F, k, n);
+        for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, n);
         c[j] = acc;
     }
     __syncwarp();
-}
-
-// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: lane L holds A[g][2t, 2t+1] (a0), A[g+8][..] (a1),
-// A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1)
-inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
-    auto half = [](const unsigned* F, int lane, int reg, int hi) {
-        return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi)));
-    };
-    emu_mma(c, a, b, 16,
-            [&](const unsigned* F, int row, int k) { return half(F, 4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); },
-            [&](const unsigned* F, int k, int n) { return half(F, 4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); });
 }
 
 // wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by

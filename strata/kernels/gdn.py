@@ -8,6 +8,8 @@ from strata.config import ModelConfig
 from strata.cuda.arena import DevArray
 from strata.cuda.launch import F, I, Launch, P, need
 
+SCAN_SMEM = 2 * 16 * 340 * 4    # gdn_scan's dynamic shared memory: 2 stages of GDN_ROWS (16) rows of GDN_RS (340) floats
+
 
 def block_shape(cfg: ModelConfig) -> tuple[int, int]:
     """(columns rounded to warps, ceil(Dk / 16) row groups): one thread per (value column, 16 state rows)."""
@@ -73,11 +75,6 @@ def gdn_prep_launch(fn, name: str, cfg: ModelConfig, c: DevArray, qkv: DevArray,
                    I(Hv), I(D), I(D), I(K)])
 
 
-def scan_smem() -> int:
-    """gdn_scan's dynamic shared memory: two stages of GDN_ROWS (16) rows of GDN_RS (340) floats (gdn.cu)."""
-    return 2 * 16 * 340 * 4
-
-
 def gdn_scan_launch(fn, name: str, cfg: ModelConfig, qn: DevArray, kn: DevArray, c: DevArray, bt: DevArray,
                     eg: DevArray, S: DevArray, o: DevArray, step: DevArray, rows: int) -> Launch:
     """The delta rule over the step's rows in order, each state column in registers for the whole chunk."""
@@ -89,7 +86,7 @@ def gdn_scan_launch(fn, name: str, cfg: ModelConfig, qn: DevArray, kn: DevArray,
         need(a, f"{name} {what}", rows * n)
     need(S, name + " state", Hv * D * D)
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (Hv, -(-D // 16)), (128,), scan_smem(),
+    return Launch(fn, name, (Hv, -(-D // 16)), (128,), SCAN_SMEM,
                   [P(qn), P(kn), P(c), P(bt), P(eg), P(S), P(o), P(step), I(Hk), I(Hv), I(D), I(D)])
 
 
