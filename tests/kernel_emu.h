@@ -204,7 +204,40 @@ struct WgQueue {
     std::vector<WgOp> issued, committed;     // since the last commit; since the last wait
 };
 WgQueue& wg();     // the running fiber's
+
+// cp.async (common.cuh): a thread's copies since its last commit, then its committed groups, oldest first. They
+// land only at the thread's wait, as the hardware is free to deliver them: a read before the wait sees what shared
+// memory held (the launch's NaN poison, or the stage's previous chunk).
+struct CpOp {
+    unsigned char* dst;
+    const unsigned char* src;
+    int n;
+};
+struct CpQueue {
+    std::vector<CpOp> open;
+    std::vector<std::vector<CpOp>> groups;
+};
+CpQueue& cpq();    // the running fiber's
 }  // namespace emu
+
+inline void emu_cp_async(unsigned char* dst, const void* src, int n) {
+    emu::cpq().open.push_back({dst, (const unsigned char*)src, n});
+}
+
+inline void emu_cp_commit() {
+    emu::CpQueue& q = emu::cpq();
+    q.groups.push_back(std::move(q.open));
+    q.open.clear();
+}
+
+// the oldest groups land until at most `pending` remain in flight
+inline void emu_cp_wait(int pending) {
+    emu::CpQueue& q = emu::cpq();
+    const int land = (int)q.groups.size() - pending;
+    for (int i = 0; i < land; i++)
+        for (const emu::CpOp& op : q.groups[i]) std::memcpy(op.dst, op.src, op.n);
+    if (land > 0) q.groups.erase(q.groups.begin(), q.groups.begin() + land);
+}
 
 inline void emu_wgmma(float* d, int n, std::uint64_t a, std::uint64_t b, int acc) {
     emu::wg().issued.push_back({d, n, a, b, acc});

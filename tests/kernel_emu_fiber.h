@@ -52,6 +52,7 @@ struct Fiber {
     bool done = false;
     unsigned long seen = 0;             // sched.progress when it last yielded
     WgQueue wg;
+    CpQueue cp;
 };
 
 // Not thread_local (a dlopen'd library's TLS costs a call a read): one launch at a time per library (Hold below).
@@ -66,6 +67,7 @@ struct Sched {
 inline Sched sched;
 
 inline WgQueue& wg() { return sched.fibers[sched.cur].wg; }
+inline CpQueue& cpq() { return sched.fibers[sched.cur].cp; }
 
 // Switch from the running fiber to the next live one after it (round robin), or back to the launch when none is
 // left; the fiber's context is saved in `save`.
@@ -152,6 +154,7 @@ inline void prime(Fiber& f) {
     f.done = false;
     f.seen = ~0ul;
     f.wg = WgQueue{};
+    f.cp = CpQueue{};
 }
 
 // a module's __shared__ arrays are static: one launch at a time (C++20 atomic wait, not <mutex>, whose extern "C"

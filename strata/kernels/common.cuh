@@ -26,6 +26,54 @@ extern __shared__ __align__(16) unsigned char dyn_smem[];
 #define SMEM emu_smem()
 #endif
 
+// Asynchronous copies global -> shared (cp.async): a thread's copies since its last commit form a group; a wait
+// returns once at most N of its groups are still in flight (wait_all: none, the open copies included), and the
+// caller's __syncthreads then covers every thread's. The CPU emulator keeps the copies queued until that wait,
+// as the hardware may: a read of a stage before its wait sees the emulator's NaN-filled shared memory.
+// N bytes to dynamic shared offset dst: 16 (cp.async.cg, cached in L2 only: weights are read once) or 4
+// (cp.async.ca: 4-byte copies cannot bypass L1); both N-aligned.
+template <int N>
+__device__ __forceinline__ void cp_async_n(int dst, const u8* src) {
+    static_assert(N == 16 || N == 4, "cp_async_n: 16 or 4 bytes");
+#ifdef __CUDACC__
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(SMEM + dst));
+    if (N == 16) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+#else
+    emu_cp_async(SMEM + dst, src, N);
+#endif
+}
+__device__ __forceinline__ void cp_async16(int dst, const u8* src) { cp_async_n<16>(dst, src); }
+__device__ __forceinline__ void cp_async4(int dst, const u8* src) { cp_async_n<4>(dst, src); }
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+    emu_cp_commit();
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait_pending() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#else
+    emu_cp_wait(N);
+#endif
+}
+
+// every copy this thread issued has landed
+__device__ __forceinline__ void stage_wait() {
+#ifdef __CUDACC__
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#else
+    emu_cp_commit();
+    emu_cp_wait(0);
+#endif
+}
+
 // Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
 // visible, then let the next kernel in the stream be scheduled (its CTAs wait in their own pdl_begin). Every
 // kernel calls this before any early return and before touching memory that a kernel writes, so completion stays

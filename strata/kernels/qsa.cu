@@ -297,20 +297,7 @@ __device__ __forceinline__ void cp_async_f(float* dst, const float* src, bool ve
     else
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 #else
-    if (vec) *(float4*)dst = *(const float4*)src; else *dst = *src;
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef __CUDACC__
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// wait until at most QSA_STAGES - 1 of this thread's copy groups are still in flight
-__device__ __forceinline__ void cp_async_wait_stages() {
-#ifdef __CUDACC__
-    asm volatile("cp.async.wait_group %0;" ::"n"(QSA_STAGES - 1) : "memory");
+    emu_cp_async((u8*)dst, src, vec ? 16 : 4);
 #endif
 }
 
@@ -378,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(256) qsa_attn(const float* __restri
     const int base = (lane & 16 ? QSA_N / 2 : 0) + (lane & 8 ? QSA_N / 4 : 0) + (lane & 4 ? QSA_N / 8 : 0);
     for (int r = 0; r < rounds; r++) {
         issue(r + QSA_STAGES - 1);
-        cp_async_wait_stages();
+        cp_async_wait_pending<QSA_STAGES - 1>();
         __syncthreads();
         const float* st = kvbuf + (size_t)(r % QSA_STAGES) * QSA_U * 2 * D;
         float s[QSA_N];

@@ -1066,22 +1066,6 @@ __device__ __forceinline__ Ranges ranges2(const u8* s0, int n0, const u8* s1, in
     return R;
 }
 
-// N bytes global -> shared at dynamic shared offset dst, asynchronously: 16 (cp.async.cg, cached in L2 only: weights
-// are read once) or 4 (cp.async.ca: 4-byte copies cannot bypass L1); both N-aligned
-template <int N>
-__device__ __forceinline__ void cp_async_n(int dst, const u8* src) {
-    static_assert(N == 16 || N == 4, "cp_async_n: 16 or 4 bytes");
-#ifdef __CUDACC__
-    u32 d;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(SMEM + dst));
-    if (N == 16) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-#else
-    std::memcpy(SMEM + dst, src, N);
-#endif
-}
-__device__ __forceinline__ void cp_async16(int dst, const u8* src) { cp_async_n<16>(dst, src); }
-__device__ __forceinline__ void cp_async4(int dst, const u8* src) { cp_async_n<4>(dst, src); }
 
 #define STAGE_BATCH 12      // stage from host memory: 16-byte loads in flight per thread (48 KB per 256 threads)
 
@@ -1132,27 +1116,6 @@ __device__ __forceinline__ void stage_issue(const Ranges& R, bool host = false) 
             }
         }
     }
-}
-
-// this thread's copies of stage_issue landed (the caller's __syncthreads then covers every thread's)
-__device__ __forceinline__ void stage_wait() {
-#ifdef __CUDACC__
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
-// the cp.async copies issued since the last commit become one group; wait until at most N groups are pending
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef __CUDACC__
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait_pending() {
-#ifdef __CUDACC__
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
 }
 
 __device__ __forceinline__ void stage(const Ranges& R, bool host = false) {
