@@ -12,6 +12,8 @@ qsa       QSA attention (qsa_attn + qsa_combine) at the flash heads: a 4096-row 
           two positions and one decode row, ms and fp32 TFLOP/s (phase_qsa)
 gdn       the chunk's GDN core at the flash heads (16 key heads, 48 value heads of 128): gdn_conv, gdn_prep,
           gdn_scan and gdn_out over a 4096-row chunk, ms each (phase_gdn)
+moe       the chunk's routed experts at the flash geometry (512 experts top-10, Q2_0, realistic skew): moe_group and
+          each grouped launch over a 4096-row chunk, ms and TFLOP/s each (phase_moe)
 mapped    one layer's expert kernels of a mapped decode token with 0, 1, 2, 5, 10 of its 10 experts read from pinned
           host memory over PCIe: ms a layer (phase_mapped)
 model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf` unless that file exists (the
@@ -465,6 +467,84 @@ def phase_qsa() -> None:
     RESULTS.setdefault("qsa", []).append({"defines": os.environ.get("STRATA_KERNEL_DEFINES", ""), "rows": out})
 
 
+def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
+    """The batched step's routed experts at a preset's geometry (flash: 512 experts of 2560 -> 640, top-10), Q2_0 as
+    in the realistic mix, every expert in VRAM, over a chunk of `rows`: moe_group, then each grouped launch (the splits of
+    GEMM_XPREP, gate/up, down), the median ms of 15 replays of its own captured graph, with TFLOP/s of useful work.
+    Routing: each row's top-10 drawn without replacement with probabilities exp(skew z_e), z_e ~ N(0, 1) per expert
+    (the preset's realistic skew, flash's where it has none; random weights route almost uniformly otherwise): what sets the pairs an expert
+    gets, so the tiles' fill."""
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.weights import device_rows
+    from strata.kernels import Kernels
+    from strata.kernels import gemm as kgemm
+    from strata.kernels import moe as kmoe
+    from strata.model.synth import ROUTING_SKEW, preset_config
+    from strata.quant.formats import QType, row_bytes
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_gemm import random_rows
+    cfg = preset_config(preset)
+    E, Fn, n_exp, k, qt = cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, cfg.n_expert_used, QType.Q2_0
+    dev = drv.Device.open()
+    kern = Kernels(dev.arch)
+    stream = drv.Stream()
+    rng = np.random.default_rng(7)
+    # top-k without replacement by the Gumbel trick: the k largest of log p + Gumbel noise
+    logp = ROUTING_SKEW.get(preset, ROUTING_SKEW["flash"]) * rng.standard_normal(n_exp)
+    ids_v = np.argsort(-(logp + rng.gumbel(size=(rows, n_exp))), axis=1)[:, :k].astype(np.int32)
+    per = np.bincount(ids_v.ravel(), minlength=n_exp)
+    bn = kmoe.tile_bn(rows, k, n_exp)
+    nt = kmoe.max_tiles(rows, k, n_exp, bn)
+    rb_gu, rb_d = row_bytes(qt, E), row_bytes(qt, Fn)
+    A = Arena()
+    g, u = A.reserve("gate", (n_exp * Fn * rb_gu,), np.uint8), A.reserve("up", (n_exp * Fn * rb_gu,), np.uint8)
+    d = A.reserve("down", (n_exp * E * rb_d,), np.uint8)
+    ids, step = A.reserve("ids", (rows, k), np.int32), A.reserve("step", (16,), np.int32)
+    pair_tok, pair_of = A.reserve("pair_tok", (rows * k,), np.int32), A.reserve("pair_of", (rows * k,), np.int32)
+    tiles, n_tiles = A.reserve("tiles", (4 * nt,), np.int32), A.reserve("n_tiles", (1,), np.int32)
+    job, x = A.reserve("job", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), A.reserve("x", (rows, E))
+    h, out = A.reserve("h", (rows * k, kmoe.padded_ff(cfg))), A.reserve("out", (rows * k, E))
+    gm, um = DevMat(g, int(qt), Fn, E, rb_gu, n_exp), DevMat(u, int(qt), Fn, E, rb_gu, n_exp)
+    dm = DevMat(d, int(qt), E, Fn, rb_d, n_exp)
+    bank = kmoe.ExpertBank(gm, 0, um, 0, dm, 0, (gm.mat_bytes, um.mat_bytes, dm.mat_bytes))
+    plan = kmoe.split_plan(cfg, bank, rows, bn)
+    xsb = [A.reserve(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8) for i, p in enumerate(plan)] \
+        if kgemm.XPREP and dev.arch == 90 else None
+    A.commit()
+    for buf, n_out, n_in in ((g, Fn, E), (u, Fn, E), (d, E, Fn)):
+        buf.upload(device_rows(random_rows(qt, n_exp * n_out, n_in, rng), qt, n_exp * n_out, n_in).reshape(-1))
+    x.upload(rng.standard_normal((rows, E)).astype(np.float32))
+    ids.upload(ids_v)
+    w = np.zeros(16, np.int32)
+    w[1], w[3], w[4] = 8192, rows, 1
+    step.upload(w)
+    splits = tuple(kgemm.XSplit(b, *p) for b, p in zip(xsb, plan)) if xsb else None
+    fn = lambda n: kern.fn("moe", n)
+    grp = kmoe.group_launch(fn("moe_group"), "group", cfg, ids, None, step, pair_tok, pair_of, tiles, n_tiles, rows,
+                            bn)
+    launches = kmoe.grouped_launches(fn, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, bn,
+                                     splits)
+    for l in (grp, *launches):              # the tiles and every launch's inputs: one eager pass
+        l.enqueue(stream)
+    stream.synchronize("moe inputs")
+    times = {"moe_group": graph_ms("moe group", stream, [grp])}
+    times.update({l.name.split(".", 1)[1]: graph_ms(f"moe {l.name}", stream, [l]) for l in launches})
+    tiles_used = int(sum(-(-int(c) // bn) for c in per))
+    flop = {"gate_up": 2 * 2 * rows * k * Fn * E, "down": 2 * rows * k * Fn * E}
+    defines = os.environ.get("STRATA_KERNEL_DEFINES", "")
+    say(f"moe {rows} rows top-{k} of {n_exp}, defines '{defines}': pairs an expert min {per.min()} median "
+        f"{int(np.median(per))} max {per.max()}; {tiles_used} tiles of {bn} pairs ({rows * k / (tiles_used * bn):.0%} "
+        f"filled)")
+    say("moe " + ", ".join(f"{n} {ms:.3f} ms" + (f" ({flop[n] / ms / 1e9:.1f} TFLOP/s)" if n in flop else "")
+                           for n, ms in times.items()) + f"; all {sum(times.values()):.3f} ms")
+    A.free()
+    stream.destroy()
+    RESULTS.setdefault("moe", []).append({"defines": defines, "rows": rows, "ms": times, "tiles": tiles_used,
+                                          "bn": bn, "pairs_per_expert": [int(per.min()), int(np.median(per)),
+                                                                         int(per.max())]})
+
+
 def phase_mapped() -> None:
     """One layer's routed experts for one decode row as a mapped token's graph runs them (moe_gate_up + moe_down
     through the layer's address table, flash shapes, Q2_0) with 0, 1, 2, 5 and 10 of the 10 read from pinned host
@@ -648,7 +728,7 @@ def main() -> None:
     global FLASH, ROUTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, gdn, mapped, model, bench, profile")
+    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
@@ -679,6 +759,8 @@ def main() -> None:
                 phase_gdn()
             elif p == "mapped":
                 phase_mapped()
+            elif p == "moe":
+                phase_moe()
             elif p == "model":
                 phase_model()
             elif p == "bench":
@@ -686,7 +768,7 @@ def main() -> None:
             elif p == "profile":
                 phase_profile(a.tokens)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, gdn, mapped, model, bench, profile")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, gdn, moe, mapped, model, bench, profile")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")

@@ -52,3 +52,14 @@ def test_bench_prefill_gpu(emulated, tiny, monkeypatch, capsys):
     assert len(sums) == 2 and parts
     assert "the other" in out                                   # --launches 3: the rest folded into one line
 
+
+
+def test_gpu_check_moe(emulated, monkeypatch, capsys):
+    """gpu_check.py's moe phase (the grouped expert launches timed one by one) at the small preset's geometry."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+    gpu_check.phase_moe(rows=40, preset="small")
+    out = capsys.readouterr().out
+    assert re.search(r"moe 40 rows top-8 of 64, .*tiles of 16 pairs", out), out
+    names = re.findall(r"(\w+) [\d.]+ ms", out.splitlines()[-1])
+    assert names == ["moe_group", "gate_up_split", "gate_up", "down_split", "down", "all"], out
