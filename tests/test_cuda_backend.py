@@ -433,6 +433,29 @@ def test_batched_prepared_weights(case, device, monkeypatch, tmp_path_factory, r
     assert rel_err(prepared, ref).max() <= 1e-4
 
 
+def test_batched_wide_expert_tiles(case, monkeypatch):
+    """Expert tiles of 128 pairs (moe.py tile_bn; gate/up in gemm.cuh's paired GLU tile) through the backend, made
+    to apply at steps of 48 rows (MOE_WIDE_PAIRS lowered to the 18 pairs an expert they have): every row bit for bit
+    what 64-pair tiles give, and within 1e-4 of transformers."""
+    from strata.kernels import moe as kmoe
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the expert tiles")
+    sizes = chunk_sizes(len(tokens), spec.seed, big=40)
+
+    def run(wide: int):
+        monkeypatch.setattr(kmoe, "WIDE_PAIRS", wide)
+        be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, log=print)
+        try:
+            assert be.batch.bn_exp == (128 if wide < 64 else 64)
+            return run_steps(be, model, tokens, sizes)
+        finally:
+            be.close()
+    wide, narrow = run(48 * 3 // 8), run(64)
+    assert np.array_equal(wide, narrow), "128-pair expert tiles gave other numbers"
+    assert rel_err(wide, ref).max() <= 1e-4
+
+
 def test_batched_host_cache(case):
     """Batched steps with experts on the host and a few cache slots filled between route and post: the resident
     experts' rows on the GPU, the others' parts from the host; every row against transformers."""

@@ -860,11 +860,13 @@ def xprep_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP"):
 
 @both_rigs
 @pytest.mark.parametrize("qt,rows,prep", [(QType.Q2_0, 40, False), (QType.Q6_K, 40, False), (QType.Q4_K, 9, False),
-                                          (QType.Q2_0, 40, True), (QType.Q6_K, 9, True)],
-                         ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep"])
+                                          (QType.Q2_0, 40, True), (QType.Q6_K, 9, True), (QType.Q2_0, 100, True),
+                                          (QType.Q6_K, 100, False)],
+                         ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep",
+                              "Q6_K-100"])
 def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in
-    tiles (64 pairs at 40 rows, 16 at 9), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
+    tiles (128 pairs at 100 rows, 64 at 40, 16 at 9), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
     expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against float64. prep: in a
     GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own split."""
     rng = np.random.default_rng(int(qt) + rows)
@@ -883,7 +885,7 @@ def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     ids_v = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(rows)]).astype(np.int32)
     X = rng.standard_normal((rows, E)).astype(F32)
     bn = kmoe.tile_bn(rows, k, n_exp)
-    assert bn == (64 if rows == 40 else 16)
+    assert bn == {9: 16, 40: 64, 100: 128}[rows]          # 128: gate/up in the paired GLU tile (gemm.cuh PAIR)
     nt = kmoe.max_tiles(rows, k, n_exp, bn)
     ids, slot_of = rig.buf("ids", (rows, k), np.int32, ids_v), rig.buf("slot_of", (n_exp,), np.int32, slot_v)
     step = rig.buf("step", (STEP_N,), np.int32, step_words())

@@ -31,8 +31,6 @@
 // whether 2 without spills is faster is for bench/gpu_gemm.sh to say).
 #ifdef GEMM_MIN_CTAS
 #define GM_MIN_CTAS(GLU, BK, MT) GEMM_MIN_CTAS
-#elif GEMM_STAGES > 1
-#define GM_MIN_CTAS(GLU, BK, MT) 2
 #else
 #define GM_MIN_CTAS(GLU, BK, MT) ((GLU) || (BK) > 64 || (MT) > 1 ? 3 : 4)
 #endif
@@ -139,14 +137,6 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #else
 #define GM_WG 0
 #endif
-// GEMM_STAGES=2: the wgmma tile keeps two k-chunks in shared memory and decodes chunk c + 1 into one while the
-// tensor cores read chunk c from the other (each CTA overlaps itself; twice the shared memory, 2 CTAs a
-// multiprocessor). 1 (the default): one chunk a CTA, the overlap from the other CTAs on the multiprocessor.
-// gemm.py sizes the launches' shared memory by the same define.
-#ifndef GEMM_STAGES
-#define GEMM_STAGES 1
-#endif
-#define GM_STAGES (GM_WG ? GEMM_STAGES : 1)
 // GEMM_XPREP (default 1): a job's step rows may come prepared by x_split (gemm.cu; gemm.py XPREP has the batched
 // step use it: on the H200 the plain GEMMs 20-35% faster at 4096 rows). GEMM_XPREP=0 builds the tiles without the
 // copy (for the same-call comparison).
@@ -312,12 +302,62 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
     return s;
 }
 
+// GEMM_RAW_SPAN (default 128; 0: off): a decoding tile copies the next k-chunk's weight bytes into shared memory
+// (cp.async, two stages) while it decodes and multiplies this one, for formats whose chunk is whole blocks of at
+// most this many bytes a row (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the K-quants' 256-element blocks are
+// larger than a chunk reads). Without it each chunk's decode waited on its own global loads: the expert tiles'
+// first stall on the H200 (ncu: long scoreboard, 1.2 cycles per issue at 47% of issue slots). gemm.py sizes the
+// launches' shared memory by the same rule (raw_pitch).
+#ifndef GEMM_RAW_SPAN
+#define GEMM_RAW_SPAN 128
+#endif
+struct RawSpec {
+    int span, qk, bb;       // a row's bytes a k-chunk reads (0: not staged), the format's block elements and bytes
+};
+template <int BK, class F>
+__device__ __forceinline__ RawSpec raw_of() {
+    constexpr int span = F::QK <= BK && BK / F::QK * F::BB <= GEMM_RAW_SPAN ? BK / F::QK * F::BB : 0;
+    return RawSpec{span, F::QK, F::BB};
+}
+template <int BK>
+__device__ __forceinline__ RawSpec raw_spec(int type) {
+    switch (type) {
+        case T_Q4_0: return raw_of<BK, FQ4_0>();
+        case T_Q4_1: return raw_of<BK, FQ4_1>();
+        case T_Q5_0: return raw_of<BK, FQ5_0>();
+        case T_Q5_1: return raw_of<BK, FQ5_1>();
+        case T_Q8_0: return raw_of<BK, FQ8_0>();
+        case T_Q2_0: return raw_of<BK, FQ2_0>();
+        case T_IQ4_NL: return raw_of<BK, FIQ4_NL>();
+    }
+    return RawSpec{0, 1, 0};
+}
+// a staged row's bytes in shared memory: its span from the 16-byte boundary at or before its start, whole pieces
+__device__ __forceinline__ int raw_pitch(int span) { return span > 0 ? (span + 30) / 16 * 16 : 0; }
+
+// Rows [0, nrows) of w, the bytes chunk k0 reads (f.span, less at the end of n_in), into dst (pitch bytes a row)
+// from each row's 16-byte boundary at or before them, so that every address keeps its alignment mod 16 (the
+// decoders' wide loads) by cp.async; the caller commits and waits. A piece may run past the row's last byte
+// inside its 16-byte granule, never past the allocation (the GEMV's stage_issue reads the same way).
+__device__ __forceinline__ void stage_raw(const u8* w, int rb, RawSpec f, int k0, int n_in, int nrows, u8* dst,
+                                          int pitch) {
+    const int n = min(f.span, (n_in - k0) / f.qk * f.bb), per = pitch / 16, d = (int)(dst - SMEM);
+    for (int i = threadIdx.x; i < nrows * per; i += GM_THREADS) {
+        const int r = i / per, j = i % per;
+        const u8* a = w + (size_t)r * rb + (size_t)(k0 / f.qk) * f.bb;
+        const u8* a16 = (const u8*)((unsigned long long)a & ~15ull);
+        if (16 * j < (int)(a - a16) + n) cp_async16(d + r * pitch + 16 * j, a16 + 16 * j);
+    }
+}
+
 // Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), decoded (part_deq's decoders) and split into Ws (BM
 // rows), shift[r] each row's power of two; elements past n_in and rows past nrows are zero. Items are (row, part)
 // pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
+// raw (staged by stage_raw, pitch bytes a row): the chunk's blocks are read there instead of from w.
 template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
-                                           float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo) {
+                                           float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo,
+                                           const u8* raw, int pitch) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
@@ -326,7 +366,12 @@ __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int
         float v[F::EPP];
         if (row < nrows && blk * F::QK < n_in) {
             float q[F::EPP], a[F::G], b[F::G];
-            F::decode(w + (size_t)row * rb + (size_t)blk * F::BB, p, q, a, b);
+            const u8* src = w + (size_t)row * rb + (size_t)blk * F::BB;
+            if (raw != nullptr) {       // the row's bytes from its chunk's 16-byte-aligned start (stage_raw)
+                const u8* c0 = w + (size_t)row * rb + (size_t)(k0 / F::QK) * F::BB;
+                src = raw + row * pitch + ((unsigned long long)c0 & 15) + (blk - k0 / F::QK) * F::BB;
+            }
+            F::decode(src, p, q, a, b);
 #pragma unroll
             for (int r = 0; r < RUNS; r++)
 #pragma unroll
@@ -360,25 +405,25 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
 // lo: the lo halves' offset from Ws, bytes (-1: Layout's, for a tile of BM rows; w_split's planes pass theirs)
 template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                      int* shift, bool wlo, int lo = -1) {
+                                      int* shift, bool wlo, int lo = -1, const u8* raw = nullptr, int pitch = 0) {
     if (lo < 0) lo = Layout<BK>::lo(BM);
     switch (type) {
         case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
         case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
         case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
     }
     for (int i = threadIdx.x; i < BM * BK / 2; i += blockDim.x) {      // an unknown type: f16 NaNs in both halves
         ((u32*)Ws)[i] = 0x7e007e00u;
@@ -460,12 +505,15 @@ __device__ __forceinline__ void copy_planes(const u8* planes, int rows, int r0, 
     const XsChunk<BK> c(planes, rows, k0 / BK);
     const u8* src = c.hi(r0);
     constexpr int N16 = R * 2 * BK / 16;                // 16-byte pieces of a plane's rows
+    static_assert(R % 4 == 0, "copy_planes: whole 16-byte pieces of shifts");
     const int d = (int)((u8*)dst - SMEM);
     for (int i = threadIdx.x; i < (lo_too ? 2 : 1) * N16; i += GM_THREADS) {
         const int pl = i / N16, j = i % N16;
         cp_async16(d + pl * Layout<BK>::lo(R) + 16 * j, src + pl * c.plane + 16 * j);
     }
-    for (int i = threadIdx.x; i < R; i += GM_THREADS) shift[i] = c.shift(r0)[i];
+    // the shifts too (R int32, 16-byte aligned on both sides: planes of whole 128-row groups, tiles of LD-float rows)
+    const int ds = (int)((u8*)shift - SMEM);
+    for (int i = threadIdx.x; i < R / 4; i += GM_THREADS) cp_async16(ds + 16 * i, (const u8*)c.shift(r0) + 16 * i);
 }
 
 // A k-chunk's wgmma, issued: per k-step and m64 block, lo(W) hi(X) (when WLO: weights not f16_exact), hi(W) lo(X),
@@ -498,13 +546,6 @@ __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&p
             }
 }
 
-// p in stage s: the same buffer o = s * stage bytes further (a function template: the H200 machine's NVRTC takes a
-// generic lambda in device code for a host function)
-template <class T>
-__device__ __forceinline__ T* stage_at(T* p, int o) {
-    return (T*)((u8*)p + o);
-}
-
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
 // GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN). xp: the step rows prepared
@@ -514,7 +555,11 @@ __device__ __forceinline__ T* stage_at(T* p, int o) {
 // mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
 // all BN columns, warp w rows 16w .. 16w + 15 of each; its accumulator fragment is mma.sync's m16n8 one for each
 // 8 columns, so the two paths share the epilogue with (MX, NX) the m16-or-m64 blocks and n8 tiles a thread holds.
-template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
+// PAIR: a GLU job in one accumulator set, for outputs [m0, m0 + BM / 2): the tile's first BM / 2 rows are w's, the
+// rest w2's, the same outputs; the products of w2's rows go through shared memory to the threads holding w's. Each
+// weight is decoded once per BN step rows with the registers of a plain tile, so BN = 128 fits where the two-set GLU
+// tile (twice the accumulators) stays at 64 and decodes every weight twice as often.
+template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN, bool PAIR = false>
 __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, int type2, int rb, int rb2, int n_in,
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
                                           int n0, float* y, int ldy, const u8* xp = nullptr, int xp_rows = 0,
@@ -524,10 +569,9 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
     static_assert(!GM_WG || BM % 64 == 0, "wgmma tile: whole m64 blocks");
+    static_assert(!(PAIR && MAY_GLU), "a paired GLU tile has one accumulator set");
     const bool glu = MAY_GLU && w2 != nullptr;
-    const bool wlo = !f16_exact(type) || (glu && !f16_exact(type2));      // the weights' lo halves are used
-    // a stage: Ws (BM), Ws2 (BM, GLU only), Xs (BN) rows of LD floats, then the shifts (BM, BM, BN)
-    const int stage = ((glu ? 2 : 1) * BM + BN) * LD * 4 + (2 * BM + BN) * 4;
+    const bool wlo = !f16_exact(type) || ((glu || PAIR) && !f16_exact(type2));      // the weights' lo halves are used
     float* Ws = (float*)SMEM;
     float* Ws2 = Ws + BM * LD;
     float* Xs = Ws2 + (glu ? BM * LD : 0);
@@ -539,26 +583,51 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     // + 8 j + 2 t (+ 1)
     const int rbase = GM_WG ? 16 * warp : (warp % WM) * MT * 16, rstep = GM_WG ? 64 : 16;
     const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
-    const int mrows = min(BM, n_out - m0);
-    // chunk k0's weights and rows into stage s
-    const bool wcopy = GM_WG && GEMM_WPREP && wp != nullptr && (!glu || wp2 != nullptr);
+    const int mrows = min(PAIR ? BM / 2 : BM, n_out - m0);
+    const bool wcopy = GM_WG && GEMM_WPREP && !PAIR && wp != nullptr && (!glu || wp2 != nullptr);
     const bool xcopy = GM_WG && GEMM_XPREP && xp != nullptr;
-    auto load = [&](int k0, int s) {
-        const int o = s * stage;
+    // a decoding tile's staged weight bytes (GEMM_RAW_SPAN): w's rows (R1 of them) then w2's, after the shifts, in
+    // two stages; gemm.py's smem_bytes counts them
+    const int R1 = PAIR ? BM / 2 : BM;
+    const RawSpec f1 = wcopy ? RawSpec{0, 1, 0} : raw_spec<BK>(type);
+    const RawSpec f2 = wcopy || !(glu || PAIR) ? RawSpec{0, 1, 0} : raw_spec<BK>(type2);
+    const int pitch = raw_pitch(max(f1.span, f2.span)), rstage = (glu || PAIR ? 2 : 1) * R1 * pitch;
+    u8* raw = (u8*)(sh_x + BN);
+    auto issue_raw = [&](int k0, int st) {
+        u8* r = raw + st * rstage;
+        if (f1.span) stage_raw(w + (size_t)m0 * rb, rb, f1, k0, n_in, mrows, r, pitch);
+        if (f2.span) stage_raw(w2 + (size_t)m0 * rb2, rb2, f2, k0, n_in, mrows, r + R1 * pitch, pitch);
+    };
+    // chunk k0's weights and rows into shared memory; st: its raw stage
+    auto load = [&](int k0, int st) {
         if (wcopy) {
-            copy_planes<BK, BM>(wp, wp_rows, m0, k0, stage_at(Ws, o), stage_at(sh_w, o), wlo);
-            if (glu) copy_planes<BK, BM>(wp2, wp_rows, m0, k0, stage_at(Ws2, o), stage_at(sh_w2, o), wlo);
-        } else {
-            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, stage_at(Ws, o), BM, stage_at(sh_w, o), wlo);
-            if (glu)
-                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, stage_at(Ws2, o), BM,
-                             stage_at(sh_w2, o), wlo);
+            copy_planes<BK, BM>(wp, wp_rows, m0, k0, Ws, sh_w, wlo);
+            if (glu) copy_planes<BK, BM>(wp2, wp_rows, m0, k0, Ws2, sh_w2, wlo);
         }
-        if (xcopy)
-            copy_planes<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, stage_at(Xs, o), stage_at(sh_x, o), true);
-        else
-            load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, stage_at(Xs, o), stage_at(sh_x, o));
-        if (wcopy || xcopy) stage_wait();
+        if (xcopy) copy_planes<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, Xs, sh_x, true);
+        if (pitch) {
+            cp_async_commit();                      // this chunk's rows, and its weight bytes issued a chunk ago
+            if (k0 + BK < n_in) issue_raw(k0 + BK, st ^ 1);     // the next chunk's, in flight through this one
+            cp_async_commit();
+            cp_async_wait_pending<1>();
+            __syncthreads();
+        }
+        const u8* r1 = f1.span ? raw + st * rstage : nullptr;
+        const u8* r2 = f2.span ? raw + st * rstage + R1 * pitch : nullptr;
+        if (wcopy) {
+        } else if (PAIR) {          // w's rows m0.. in the tile's first half, w2's in the second
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM / 2, sh_w, wlo, Layout<BK>::lo(BM),
+                         r1, pitch);
+            deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in,
+                         (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, sh_w + BM / 2, wlo,
+                         Layout<BK>::lo(BM), r2, pitch);
+        } else {
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w, wlo, -1, r1, pitch);
+            if (glu)
+                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2, wlo, -1, r2, pitch);
+        }
+        if (!xcopy) load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
+        if (!pitch && (wcopy || xcopy)) stage_wait();
     };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes
@@ -577,33 +646,22 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
-    if (GM_STAGES == 2) {
-        load(0, 0);
+    if (pitch) issue_raw(0, 0);
+    for (int k0 = 0, st = 0; k0 < n_in; k0 += BK, st ^= 1) {
+        load(k0, st);
         wg_proxy_fence();
         __syncthreads();
-    }
-    for (int k0 = 0, s = 0; k0 < n_in; k0 += BK, s ^= GM_STAGES - 1) {
-        const int o = s * stage;                  // this chunk's stage
-        if (GM_STAGES == 1) {
-            load(k0, 0);
-            wg_proxy_fence();
-            __syncthreads();
-        }
 #if GM_WG
         wg_fence();
         if (glu && wlo)
-            wg_chunk<BK, MX, BN, 2, true>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 2, true>(part, part2, Ws, Ws2, Xs, BM);
         else if (glu)
-            wg_chunk<BK, MX, BN, 2, false>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 2, false>(part, part2, Ws, Ws2, Xs, BM);
         else if (wlo)
-            wg_chunk<BK, MX, BN, 1, true>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 1, true>(part, part2, Ws, Ws2, Xs, BM);
         else
-            wg_chunk<BK, MX, BN, 1, false>(part, part2, stage_at(Ws, o), stage_at(Ws2, o), stage_at(Xs, o), BM);
+            wg_chunk<BK, MX, BN, 1, false>(part, part2, Ws, Ws2, Xs, BM);
         wg_commit();
-        if (GM_STAGES == 2 && k0 + BK < n_in) {     // the next chunk, while the tensor cores read this one
-            load(k0 + BK, s ^ 1);
-            wg_proxy_fence();
-        }
         wg_wait();
 #pragma unroll
         for (int i = 0; i < MX; i++)
@@ -657,13 +715,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
         for (int j = 0; j < NX; j++)
 #pragma unroll
-            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-stage_at(sh_x, o)[cbase + j * 8 + 2 * t + c]);
+            for (int c = 0; c < 2; c++) fx[j][c] = pow2f(-sh_x[cbase + j * 8 + 2 * t + c]);
 #pragma unroll
         for (int i = 0; i < MX; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const float fw = pow2f(-stage_at(sh_w, o)[rbase + i * rstep + g + 8 * r]);
-                const float fw2 = glu ? pow2f(-stage_at(sh_w2, o)[rbase + i * rstep + g + 8 * r]) : 0.0f;
+                const float fw = pow2f(-sh_w[rbase + i * rstep + g + 8 * r]);
+                const float fw2 = glu ? pow2f(-sh_w2[rbase + i * rstep + g + 8 * r]) : 0.0f;
 #pragma unroll
                 for (int j = 0; j < NX; j++)
 #pragma unroll
@@ -677,6 +735,30 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         __syncthreads();
     }
     // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8
+    if (PAIR) {                 // the second half's sums (w2's rows) through shared memory to the first half's threads
+        float* U = (float*)SMEM;        // BM / 2 x BN: the loop's last barrier freed the tile
+#pragma unroll
+        for (int i = 0; i < MX; i++)
+#pragma unroll
+            for (int j = 0; j < NX; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = rbase + i * rstep + g + (e >> 1) * 8, n = cbase + j * 8 + 2 * t + (e & 1);
+                    if (r >= BM / 2) U[(r - BM / 2) * BN + n] = acc[i][j][e];
+                }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < MX; i++)
+#pragma unroll
+            for (int j = 0; j < NX; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = rbase + i * rstep + g + (e >> 1) * 8, n = cbase + j * 8 + 2 * t + (e & 1);
+                    if (r < BM / 2 && m0 + r < n_out && n0 + n < nrows)
+                        y[(size_t)(n0 + n) * ldy + m0 + r] = siluf_(acc[i][j][e]) * U[r * BN + n];
+                }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < MX; i++)
 #pragma unroll

@@ -389,20 +389,21 @@ __device__ __forceinline__ void moe_split_body(const i32* __restrict__ tiles, co
 }
 
 // h[p] = silu(gate_s x[pair_tok[p]]) * (up_s x[pair_tok[p]]) for the pairs p of tile blockIdx.y (expert slot s);
-// grid (ceil(F / BM), max tiles), tiles past *n_tiles do nothing. x (rows, E), h (pairs, Fp); xs: the tiles' rows
-// split by moe_split (null: the tiles split them).
-template <int BK, int MT, int NT, int WM, int WN>
+// grid (ceil(F / OM), max tiles), tiles past *n_tiles do nothing; OM = BM outputs a CTA, or BM / 2 in the paired
+// tile (PAIR: gate's and up's rows in one accumulator set, gemm.cuh). x (rows, E), h (pairs, Fp); xs: the tiles'
+// rows split by moe_split (null: the tiles split them).
+template <int BK, int MT, int NT, int WM, int WN, bool PAIR>
 __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, const i32* __restrict__ tiles,
                                             const i32* __restrict__ n_tiles, const float* __restrict__ x,
                                             const i32* __restrict__ pair_tok, float* h, const u8* xs, int xs_rows) {
-    constexpr int BM = WM * MT * 16;
+    constexpr int OM = WM * MT * 16 / (PAIR ? 2 : 1);
     pdl_begin();
     if ((int)blockIdx.y >= *n_tiles) return;
     const MoeJob J = *job;
     const i32* tq = tiles + 4 * blockIdx.y;
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
-    gemm_tile<true, BK, MT, NT, WM, WN>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g, J.type_u,
-                              J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * BM, x, J.E, pair_tok + p0, np_, 0,
+    gemm_tile<!PAIR, BK, MT, NT, WM, WN, PAIR>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g,
+                              J.type_u, J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * OM, x, J.E, pair_tok + p0, np_, 0,
                               h + (size_t)p0 * J.Fp, J.Fp, xs, xs_rows, (int)blockIdx.y * WN * NT * 8);
 }
 
@@ -422,13 +423,13 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
                               out + (size_t)p0 * J.E, J.E, xs, xs_rows, (int)blockIdx.y * WN * NT * 8);
 }
 
-// tiles of 16 or 64 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128 rows
-// (MTD m16 tiles a warp: gemm.py tile_bm)
+// tiles of 16, 64 or 128 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128
+// rows (MTD m16 tiles a warp: gemm.py tile_bm); the 128-pair tiles are 64 x 128, gate/up as the paired GLU tile
 #define MOE_GEMMS(SUF, BK, MT, NT, WM, WN, MTD)                                                                      \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(true, BK, MT)) moe_gu##SUF(                 \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
         const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h, const u8* xs, int xs_rows) {    \
-        moe_gu_body<BK, MT, NT, WM, WN>(job, tiles, n_tiles, x, pair_tok, h, xs, xs_rows);                       \
+        moe_gu_body<BK, MT, NT, WM, WN, WN * NT * 8 == 128>(job, tiles, n_tiles, x, pair_tok, h, xs, xs_rows);                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(false, BK, MTD)) moe_down##SUF(             \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
@@ -444,6 +445,8 @@ MOE_GEMMS(16_k64, 64, 1, 2, 4, 1, 1)
 MOE_GEMMS(16_k128, 128, 1, 2, 4, 1, 1)
 MOE_GEMMS(64_k64, 64, 2, 4, 2, 2, 4)
 MOE_GEMMS(64_k128, 128, 2, 4, 2, 2, 4)
+MOE_GEMMS(128_k64, 64, 4, 4, 1, 4, 4)
+MOE_GEMMS(128_k128, 128, 4, 4, 1, 4, 4)
 
 // combine_write_rms for the step's rows: row t's out = sum_j wts[t, j] part(t, j) + sigmoid(sg[t]) shared[t], part
 // = gpu_out[pair_of[t k + j]] when that is >= 0, else host_parts[t k + j]; then gr_write and the next read's norm

@@ -10,6 +10,7 @@ import numpy as np
 from strata.config import ModelConfig
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
+from strata.kernels.build import define
 from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geometry, tile_smem, xq_bytes
 from strata.kernels.hc import MAX_HC
 
@@ -243,9 +244,23 @@ def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArr
 
 # ---- the batched step: pairs grouped by expert on the device, the grouped GEMMs, the combine over rows --------
 
+# MOE_WIDE_PAIRS: the mean pairs an expert at which a step's expert tiles take 128 pairs (moe.cu's 64 x 128 tiles,
+# gate/up as gemm.cuh's paired GLU tile: each weight decoded once per 128 pairs instead of once per 64) instead of 64.
+# A build define so that a same-call comparison can move it (a large value keeps every step at 64).
+WIDE_PAIRS = define("MOE_WIDE_PAIRS", 64)
+
+
 def tile_bn(max_rows: int, k: int, n_expert: int) -> int:
-    """Pairs per expert tile: 16 while the step's pairs per expert are few, 64 for long chunks."""
-    return 16 if max_rows * k <= 16 * n_expert else 64
+    """Pairs per expert tile: 16 while the step's pairs per expert are few, 64 for longer steps, 128 for long chunks
+    (WIDE_PAIRS pairs an expert on average)."""
+    pairs = max_rows * k
+    return 16 if pairs <= 16 * n_expert else 128 if pairs >= WIDE_PAIRS * n_expert else 64
+
+
+def gu_outputs(bn: int) -> int:
+    """Outputs (rows of gate, and of up) a gate/up CTA takes: its tile's rows, half of them in the paired tile."""
+    from strata.kernels.gemm import tile_bm
+    return tile_bm(bn, True) // (2 if bn == 128 else 1)
 
 
 def max_tiles(max_rows: int, k: int, n_expert: int, bn: int) -> int:
@@ -302,6 +317,7 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     plan = split_plan(cfg, bank, rows, bn)
     (_, kg, _), (_, kd, _) = plan                      # the two GEMMs' k-chunks
     bg, bd = tile_bm(bn, True), tile_bm(bn, False)     # moe.cu's tile heights (its down tiles: always the wide ones)
+    pair = bn == 128                                   # the gate/up tiles: paired GLU (one accumulator set)
     xs_gu, xs_dn = splits if splits is not None else (None, None)
     for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), plan):
         if xs is None:
@@ -311,9 +327,11 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
                              f"tiles need {n_in}, {bk}, {nr}")
         need(xs.buf, name + " split", xsplit_bytes(n_in, bk, xs.max_rows), np.uint8)
     sp = lambda xs: (P(xs.buf), I(xs.rows)) if xs is not None else (P(None), I(0))
-    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // bg), nt), (128,), smem_bytes(kg, bn, bg, True),
+    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // gu_outputs(bn)), nt), (128,),
+                smem_bytes(kg, bn, bg, not pair, (bank.gate.qtype, bank.up.qtype)),
                 [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h), *sp(xs_gu)])
-    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // bd), nt), (128,), smem_bytes(kd, bn, bd, False),
+    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // bd), nt), (128,),
+                smem_bytes(kd, bn, bd, False, (bank.down.qtype,)),
                 [P(job), P(tiles), P(n_tiles), P(h), P(out), *sp(xs_dn)])
     if splits is None:
         return gu, dn
