@@ -843,30 +843,36 @@ def test_experts(rig, qt):
         host.free()
 
 
-def xprep_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP"):
-    """fn_of(kernel name) of `module` built with `define`=1 (GEMM_XPREP: the tiles' copy of prepared rows;
-    GEMM_WPREP: of prepared weights): the emulator builds it for the test; a GPU build without it skips the test
-    (bench/gpu_gemm.sh's variants have it)."""
+def xprep_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", value: int = 1):
+    """fn_of(kernel name) of `module` built with `define`=value (GEMM_XPREP: the tiles' copy of prepared rows;
+    GEMM_WPREP: of prepared weights; GEMM_RAW_SPAN: the staged weight bytes), and gemm.py's twin of the define
+    takes the value (the launches' shared memory): the emulator builds the variant for the test, and so does NVRTC
+    on the GPU when the session's build differs."""
     from strata.kernels import gemm as kgemm
+    from strata.kernels.build import Module
+    name = define.removeprefix("GEMM_")
+    if getattr(kgemm, name) == value and not isinstance(rig, EmuRig):
+        return lambda n: rig.k.fn(module, n)
+    monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + f" {define}={value}")
+    monkeypatch.setattr(kgemm, name, value)
     if isinstance(rig, EmuRig):
-        monkeypatch.setenv("STRATA_KERNEL_DEFINES", os.environ.get("STRATA_KERNEL_DEFINES", "") + f" {define}=1")
         kx = EmuKernels(rig.k.cache)
         return lambda n: kx.fn(module, n)
-    if not getattr(kgemm, define.removeprefix("GEMM_")):
-        pytest.skip(f"this GPU build has no copy of prepared operands: {define}=1 in $STRATA_KERNEL_DEFINES builds it "
-                    "(bench/gpu_gemm.sh's variant)")
-    return lambda n: rig.k.fn(module, n)
+    mod = Module(module, rig.dev.arch)
+    return mod.function
 
 
 @both_rigs
-@pytest.mark.parametrize("qt,rows,prep", [(QType.Q2_0, 40, False), (QType.Q6_K, 40, False), (QType.Q4_K, 9, False),
-                                          (QType.Q2_0, 40, True), (QType.Q6_K, 9, True), (QType.Q2_0, 100, True),
-                                          (QType.Q6_K, 100, False)],
-                         ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep",
-                              "Q6_K-100"])
-def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
+@pytest.mark.parametrize("qt,rows,prep,staged", [
+    (QType.Q2_0, 40, False, False), (QType.Q6_K, 40, False, False), (QType.Q4_K, 9, False, False),
+    (QType.Q2_0, 40, True, False), (QType.Q6_K, 9, True, False), (QType.Q2_0, 100, True, False),
+    (QType.Q6_K, 100, False, False), (QType.Q2_0, 100, True, True), (QType.Q8_0, 40, False, True)],
+    ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep", "Q6_K-100",
+         "Q2_0-100-prep-staged", "Q8_0-40-staged"])
+def test_grouped_experts(rig, qt, rows, prep, staged, monkeypatch):
     """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in
-    tiles (128 pairs at 100 rows, 64 at 40, 16 at 9), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
+    tiles (128 pairs at 100 rows, 64 at 40, 16 at 9; staged: a GEMM_RAW_SPAN build, the tiles' next k-chunk of
+    weight bytes copied into shared memory while they decode this one), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
     expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against float64. prep: in a
     GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own split."""
     rng = np.random.default_rng(int(qt) + rows)
@@ -905,7 +911,10 @@ def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     step.upload(w)
     grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of, tiles,
                             n_tiles, rows, bn)
-    fn_of = xprep_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
+    if staged:          # (a GEMM_XPREP build's default: the prepared rows too)
+        fn_of = xprep_kernels(rig, monkeypatch, "moe", "GEMM_RAW_SPAN", 128)
+    else:
+        fn_of = xprep_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
     gu, dn = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, bn)
     rig.poison(h, out)
     rig.run(grp, gu, dn)
@@ -1098,6 +1107,46 @@ def test_gemm_formats(rig, qt, max_rows):
         assert rel(out[t], ref[t]) <= TOL, f"row {t}: {rel(out[t], ref[t]):.2e}"
     for t, (_, b) in zip(picks, gv):              # the T=1 path (GEMV) of the same row
         assert rel(out[t], b.download()) <= TOL, f"row {t} vs GEMV: {rel(out[t], b.download()):.2e}"
+
+
+@both_rigs
+@pytest.mark.parametrize("qt", [QType.Q2_0, QType.Q8_0, QType.Q4_0, QType.Q5_1, QType.IQ4_NL],
+                         ids=lambda q: q.name)
+def test_gemm_staged_weights(rig, qt, monkeypatch):
+    """GEMM_RAW_SPAN (gemm.cuh): a decoding tile copies the next k-chunk's weight bytes into shared memory by
+    cp.async while it decodes this one from there: bit for bit the tile reading its blocks from global memory, and
+    within 1e-5 of float64. Rows of an odd number of blocks (their chunks start at every alignment mod 16), an n_in
+    whose last chunk is short, a GLU pair (two staged matrices) and a plain job in one launch each."""
+    from strata.kernels import gemm as kgemm
+    rng = np.random.default_rng(int(qt) + 77)
+    qk = kgemv.BLOCKS[qt][0]
+    n_in, n_out, rows = qk * (672 // qk + (672 // qk + 1) % 2), 72, 40      # an odd block count a row
+    raw, raw2 = random_matrix(qt, n_out, n_in, rng), random_matrix(qt, n_out, n_in, rng)
+    X = rng.standard_normal((rows, n_in)).astype(F32)
+    m, m2 = rig.mat("w", raw, qt, n_out, n_in), rig.mat("w2", raw2, qt, n_out, n_in)
+    xb, nr = rig.buf("x", X.shape, value=X), rig.buf("n_rows", (1,), np.int32, [rows])
+    ys = {k: rig.buf(f"y_{k}", (rows, n_out)) for k in ("plain", "glu", "plain_s", "glu_s")}
+    tabs = {k: kgemm.job_table(f"jobs_{k}", 1, rig.A.reserve) for k in ys}
+    rig.commit()
+    launches = {}
+    for staged in (False, True):
+        fn = xprep_kernels(rig, monkeypatch, "gemm", "GEMM_RAW_SPAN", 128 if staged else 0)
+        sfx = "_s" if staged else ""
+        assert (kgemm.raw_pitch(qt, kgemm.chunk_k([qt])) > 0) == staged
+        for kind, w2 in (("plain", None), ("glu", m2)):
+            launches[kind + sfx] = kgemm.gemm_launch(fn, kind + sfx, tabs[kind + sfx],
+                                                     [kgemm.GemmJob(m, xb, ys[kind + sfx], w2=w2)], nr, rows)
+    rig.poison(*ys.values())
+    rig.run(*launches.values())
+    out = {k: y.download() for k, y in ys.items()}
+    for kind in ("plain", "glu"):
+        assert np.array_equal(out[kind + "_s"], out[kind]), f"{kind}: the staged bytes gave other numbers"
+    W, W2 = (dequantize(r, qt).reshape(n_out, n_in).astype(np.float64) for r in (raw, raw2))
+    a, b = X.astype(np.float64) @ W.T, X.astype(np.float64) @ W2.T
+    ref = {"plain": a, "glu": a / (1 + np.exp(-a)) * b}
+    for kind in ("plain", "glu"):
+        for t in range(rows):
+            assert rel(out[kind + "_s"][t], ref[kind][t]) <= TOL, f"{kind} row {t}"
 
 
 @pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])

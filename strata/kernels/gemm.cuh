@@ -302,14 +302,16 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
     return s;
 }
 
-// GEMM_RAW_SPAN (default 128; 0: off): a decoding tile copies the next k-chunk's weight bytes into shared memory
+// GEMM_RAW_SPAN=128 (default 0: off): a decoding tile copies the next k-chunk's weight bytes into shared memory
 // (cp.async, two stages) while it decodes and multiplies this one, for formats whose chunk is whole blocks of at
-// most this many bytes a row (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the K-quants' 256-element blocks are
-// larger than a chunk reads). Without it each chunk's decode waited on its own global loads: the expert tiles'
-// first stall on the H200 (ncu: long scoreboard, 1.2 cycles per issue at 47% of issue slots). gemm.py sizes the
-// launches' shared memory by the same rule (raw_pitch).
+// most this many bytes a row (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL at 128; the K-quants' 256-element blocks
+// are larger than a chunk reads). Without it each chunk's decode waits on its own global loads: the expert tiles'
+// first stall on the H200 (ncu: long scoreboard, 1.2 cycles per issue at 47% of issue slots). Off until a device
+// call has timed it (checked on the emulator, whose cp.async lands only at the wait, and by the GPU tests of a
+// variant build: test_gemm_staged_weights, test_grouped_experts' staged cases). gemm.py sizes the launches'
+// shared memory by the same rule (raw_pitch).
 #ifndef GEMM_RAW_SPAN
-#define GEMM_RAW_SPAN 128
+#define GEMM_RAW_SPAN 0
 #endif
 struct RawSpec {
     int span, qk, bb;       // a row's bytes a k-chunk reads (0: not staged), the format's block elements and bytes

@@ -75,8 +75,8 @@ def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
 
 
 # gemm.cuh GEMM_RAW_SPAN: a decoding tile stages the next k-chunk's weight bytes in shared memory for formats whose
-# chunk is whole blocks of at most this many bytes a row
-RAW_SPAN = define("GEMM_RAW_SPAN", 128)
+# chunk is whole blocks of at most this many bytes a row (0, the default until a device call times it: none)
+RAW_SPAN = define("GEMM_RAW_SPAN", 0)
 
 
 def raw_pitch(qt: int, bk: int) -> int:
