@@ -469,11 +469,11 @@ def phase_qsa() -> None:
 
 def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     """The batched step's routed experts at a preset's geometry (flash: 512 experts of 2560 -> 640, top-10), Q2_0 as
-    in the realistic mix, every expert in VRAM, over a chunk of `rows`: moe_group, then each grouped launch (the splits of
-    GEMM_XPREP, gate/up, down), the median ms of 15 replays of its own captured graph, with TFLOP/s of useful work.
-    Routing: each row's top-10 drawn without replacement with probabilities exp(skew z_e), z_e ~ N(0, 1) per expert
-    (the preset's realistic skew, flash's where it has none; random weights route almost uniformly otherwise): what sets the pairs an expert
-    gets, so the tiles' fill."""
+    in the realistic mix, every expert in VRAM, over a chunk of `rows`: moe_group, then each grouped launch (the
+    splits of GEMM_XPREP, gate/up, down), the median ms of 15 replays of its own captured graph, with TFLOP/s of
+    useful work. Routing: each row's top-k drawn without replacement with probabilities exp(skew z_e), z_e ~ N(0, 1)
+    per expert (the preset's realistic skew, flash's where it has none; random weights route almost uniformly
+    otherwise): what sets the pairs an expert gets, so the tiles' fill."""
     from strata.cuda import driver as drv
     from strata.cuda.arena import Arena, DevMat
     from strata.cuda.weights import device_rows
@@ -728,7 +728,8 @@ def main() -> None:
     global FLASH, ROUTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
-    ap.add_argument("--phases", default="tests,gemv,bench", help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile")
+    ap.add_argument("--phases", default="tests,gemv,bench",
+                    help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")

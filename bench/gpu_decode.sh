@@ -10,11 +10,7 @@ source bench/gpu_env.sh || exit 1
 out=${OUT:-/tmp}
 model=models/flash-realistic.gguf
 modes=${MODES:-fetch direct}
-mkdir -p models
-if [ ! -f $model ]; then
-    python3 cli.py make-model $model --preset flash --ple-base 2000000 --routing realistic --threads 12 \
-        > "$out/make_model.log" 2>&1 &
-fi
+make_flash "$model"
 python3 -m pytest -q -x -rs -m gpu tests/test_cuda_kernels.py -k "experts or moe or route" 2>&1 | tail -3 || exit 1
 python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py -k "mapped or scheduler" 2>&1 | tee "$out/gpu_tests.log" | tail -4
 wait

@@ -9,11 +9,7 @@ source bench/gpu_env.sh || exit 1
 out=${OUT:-/tmp}
 tokens=${1:-64}
 model=models/flash-realistic.gguf
-mkdir -p models
-if [ ! -f $model ]; then
-    python3 cli.py make-model $model --preset flash --ple-base 2000000 --routing realistic --threads 12 \
-        > "$out/make_model.log" 2>&1 &
-fi
+make_flash "$model"
 python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
 OUT= python3 bench/gpu_check.py --phases gemv --sweep > "$out/gemv_sweep.log" 2>&1
 tail -14 "$out/gemv_sweep.log"

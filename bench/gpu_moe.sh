@@ -12,11 +12,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
 out=${OUT:-/tmp}
-if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
-    mkdir -p "$(dirname "$MODEL")"
-    python3 cli.py make-model "$MODEL" --preset flash --ple-base 2000000 --routing realistic --threads 12 \
-        > "$out/make_model.log" 2>&1 &
-fi
+[ -n "${MODEL:-}" ] && make_flash "$MODEL"
 IFS=';' read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
 for i in "${!variants[@]}"; do

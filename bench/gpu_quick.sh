@@ -12,11 +12,7 @@ cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
 out=${OUT:-/tmp}
 model=${MODEL:-models/flash-realistic.gguf}
-mkdir -p "$(dirname "$model")"
-if [ ! -f "$model" ]; then
-    python3 cli.py make-model "$model" --preset flash --ple-base 2000000 --routing realistic --threads 12 \
-        > "$out/make_model.log" 2>&1 &
-fi
+make_flash "$model"
 timeout 150 python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py > "$out/gpu_tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
 timeout "${KTESTS_S:-120}" python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py \

@@ -409,24 +409,27 @@ template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
                                       int* shift, bool wlo, int lo = -1, const u8* raw = nullptr, int pitch = 0) {
     if (lo < 0) lo = Layout<BK>::lo(BM);
+#define DEQ_Q(T, F)                                                                         \
+    case T: deq_tile_q<BK, F>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
     switch (type) {
         case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
         case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
         case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_Q4_0: deq_tile_q<BK, FQ4_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q4_1: deq_tile_q<BK, FQ4_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q5_0: deq_tile_q<BK, FQ5_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q5_1: deq_tile_q<BK, FQ5_1>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q8_0: deq_tile_q<BK, FQ8_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q2_0: deq_tile_q<BK, FQ2_0>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q2_K: deq_tile_q<BK, FQ2_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q3_K: deq_tile_q<BK, FQ3_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q4_K: deq_tile_q<BK, FQ4_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q5_K: deq_tile_q<BK, FQ5_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_Q6_K: deq_tile_q<BK, FQ6_K>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_IQ4_NL: deq_tile_q<BK, FIQ4_NL>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
-        case T_IQ4_XS: deq_tile_q<BK, FIQ4_XS>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+        DEQ_Q(T_Q4_0, FQ4_0)
+        DEQ_Q(T_Q4_1, FQ4_1)
+        DEQ_Q(T_Q5_0, FQ5_0)
+        DEQ_Q(T_Q5_1, FQ5_1)
+        DEQ_Q(T_Q8_0, FQ8_0)
+        DEQ_Q(T_Q2_0, FQ2_0)
+        DEQ_Q(T_Q2_K, FQ2_K)
+        DEQ_Q(T_Q3_K, FQ3_K)
+        DEQ_Q(T_Q4_K, FQ4_K)
+        DEQ_Q(T_Q5_K, FQ5_K)
+        DEQ_Q(T_Q6_K, FQ6_K)
+        DEQ_Q(T_IQ4_NL, FIQ4_NL)
+        DEQ_Q(T_IQ4_XS, FIQ4_XS)
     }
+#undef DEQ_Q
     for (int i = threadIdx.x; i < BM * BK / 2; i += blockDim.x) {      // an unknown type: f16 NaNs in both halves
         ((u32*)Ws)[i] = 0x7e007e00u;
         ((u32*)((u8*)Ws + lo))[i] = 0x7e007e00u;
@@ -546,6 +549,20 @@ __device__ __forceinline__ void wg_chunk(float (&part)[MX][BN / 8][4], float (&p
                 }
                 wg_mma<BN, true>(c, wg_desc(wh, BK), wg_desc(xh + 16 * kk, BK));
             }
+}
+
+// f(r, n, i, j, e) for each accumulator acc[i][j][e] of the thread's fragment (MX m-blocks of rstep rows from
+// rbase, NX n8 tiles from cbase): tile row r (weights) and column n (step rows). c[0], c[1]: weight row g, step
+// rows 2t, 2t+1; c[2], c[3]: weight row g + 8. (A function template, not a generic lambda: the H200 machine's NVRTC.)
+template <int MX, int NX, class F>
+__device__ __forceinline__ void frag_each(int rbase, int rstep, int cbase, int g, int t, F f) {
+#pragma unroll
+    for (int i = 0; i < MX; i++)
+#pragma unroll
+        for (int j = 0; j < NX; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                f(rbase + i * rstep + g + (e >> 1) * 8, cbase + j * 8 + 2 * t + (e & 1), i, j, e);
 }
 
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
@@ -736,41 +753,20 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             }
         __syncthreads();
     }
-    // c[0], c[1]: weight row g, step rows 2t, 2t+1; c[2], c[3]: weight row g + 8
     if (PAIR) {                 // the second half's sums (w2's rows) through shared memory to the first half's threads
         float* U = (float*)SMEM;        // BM / 2 x BN: the loop's last barrier freed the tile
-#pragma unroll
-        for (int i = 0; i < MX; i++)
-#pragma unroll
-            for (int j = 0; j < NX; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = rbase + i * rstep + g + (e >> 1) * 8, n = cbase + j * 8 + 2 * t + (e & 1);
-                    if (r >= BM / 2) U[(r - BM / 2) * BN + n] = acc[i][j][e];
-                }
+        frag_each<MX, NX>(rbase, rstep, cbase, g, t, [&](int r, int n, int i, int j, int e) {
+            if (r >= BM / 2) U[(r - BM / 2) * BN + n] = acc[i][j][e];
+        });
         __syncthreads();
-#pragma unroll
-        for (int i = 0; i < MX; i++)
-#pragma unroll
-            for (int j = 0; j < NX; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = rbase + i * rstep + g + (e >> 1) * 8, n = cbase + j * 8 + 2 * t + (e & 1);
-                    if (r < BM / 2 && m0 + r < n_out && n0 + n < nrows)
-                        y[(size_t)(n0 + n) * ldy + m0 + r] = siluf_(acc[i][j][e]) * U[r * BN + n];
-                }
+        frag_each<MX, NX>(rbase, rstep, cbase, g, t, [&](int r, int n, int i, int j, int e) {
+            if (r < BM / 2 && m0 + r < n_out && n0 + n < nrows)
+                y[(size_t)(n0 + n) * ldy + m0 + r] = siluf_(acc[i][j][e]) * U[r * BN + n];
+        });
         return;
     }
-#pragma unroll
-    for (int i = 0; i < MX; i++)
-#pragma unroll
-        for (int j = 0; j < NX; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = m0 + rbase + i * rstep + g + (e >> 1) * 8, n = n0 + cbase + j * 8 + 2 * t + (e & 1);
-                if (m < n_out && n < nrows) {
-                    const float a = acc[i][j][e];
-                    y[(size_t)n * ldy + m] = glu ? siluf_(a) * acc2[i][j][e] : a;
-                }
-            }
+    frag_each<MX, NX>(rbase, rstep, cbase, g, t, [&](int r, int n, int i, int j, int e) {
+        if (m0 + r < n_out && n0 + n < nrows)
+            y[(size_t)(n0 + n) * ldy + m0 + r] = glu ? siluf_(acc[i][j][e]) * acc2[i][j][e] : acc[i][j][e];
+    });
 }

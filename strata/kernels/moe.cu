@@ -429,7 +429,7 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(true, BK, MT)) moe_gu##SUF(                 \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
         const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h, const u8* xs, int xs_rows) {    \
-        moe_gu_body<BK, MT, NT, WM, WN, WN * NT * 8 == 128>(job, tiles, n_tiles, x, pair_tok, h, xs, xs_rows);                       \
+        moe_gu_body<BK, MT, NT, WM, WN, WN * NT * 8 == 128>(job, tiles, n_tiles, x, pair_tok, h, xs, xs_rows);     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(false, BK, MTD)) moe_down##SUF(             \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
