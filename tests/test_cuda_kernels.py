@@ -528,10 +528,12 @@ def test_gdn_scan_stages(rig, Hk, Hv, D, T):
     cfg = cfg_tiny(ssm_k_heads=Hk, ssm_v_heads=Hv, ssm_state=D, n_embd=Hv * D)
     cd, vd, kd = cfg.conv_dim, cfg.value_dim, cfg.key_dim
     unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
-    q_v, k_v = (unit(rng.standard_normal((T, Hk, D))) / np.sqrt(D)).astype(F32), unit(rng.standard_normal((T, Hk, D))).astype(F32)
+    q_v = (unit(rng.standard_normal((T, Hk, D))) / np.sqrt(D)).astype(F32)
+    k_v = unit(rng.standard_normal((T, Hk, D))).astype(F32)
     c_v, S0 = rng.standard_normal((T, cd)).astype(F32), rng.standard_normal((Hv, D, D)).astype(F32)
     bt_v, eg_v = rng.uniform(0, 1, (T, Hv)).astype(F32), rng.uniform(0.3, 1, (T, Hv)).astype(F32)
-    qn, kn, c = rig.buf("qn", (T, Hk, D), value=q_v), rig.buf("kn", (T, Hk, D), value=k_v), rig.buf("c", (T, cd), value=c_v)
+    qn, kn = rig.buf("qn", (T, Hk, D), value=q_v), rig.buf("kn", (T, Hk, D), value=k_v)
+    c = rig.buf("c", (T, cd), value=c_v)
     bt, eg = rig.buf("bt", (T, Hv), value=bt_v), rig.buf("eg", (T, Hv), value=eg_v)
     S, o, step = rig.buf("S", (Hv, D, D), value=S0), rig.buf("o", (T, vd)), rig.buf("step", (STEP_N,), np.int32)
     rig.commit()
@@ -843,7 +845,7 @@ def test_experts(rig, qt):
         host.free()
 
 
-def xprep_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", value: int = 1):
+def variant_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", value: int = 1):
     """fn_of(kernel name) of `module` built with `define`=value (GEMM_XPREP: the tiles' copy of prepared rows;
     GEMM_WPREP: of prepared weights; GEMM_RAW_SPAN: the staged weight bytes), and gemm.py's twin of the define
     takes the value (the launches' shared memory): the emulator builds the variant for the test, and so does NVRTC
@@ -870,11 +872,12 @@ def xprep_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", val
     ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep", "Q6_K-100",
          "Q2_0-100-prep-staged", "Q8_0-40-staged"])
 def test_grouped_experts(rig, qt, rows, prep, staged, monkeypatch):
-    """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in
-    tiles (128 pairs at 100 rows, 64 at 40, 16 at 9; staged: a GEMM_RAW_SPAN build, the tiles' next k-chunk of
-    weight bytes copied into shared memory while they decode this one), the grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its
-    expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against float64. prep: in a
-    GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own split."""
+    """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in tiles
+    (128 pairs at 100 rows, 64 at 40, 16 at 9; staged: a GEMM_RAW_SPAN build, the tiles' next k-chunk of weight bytes
+    copied into shared memory while they decode this one), the grouped GLU and down GEMMs (gemm.cuh's tile) compute
+    each pair at its expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against
+    float64. prep: in a GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own
+    split."""
     rng = np.random.default_rng(int(qt) + rows)
     E, Fn, n_exp, k = 256, 256, 6, 4
     cfg = cfg_tiny(n_embd=E, n_ff_exp=Fn, n_expert=n_exp, n_expert_used=k)
@@ -912,9 +915,9 @@ def test_grouped_experts(rig, qt, rows, prep, staged, monkeypatch):
     grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of, tiles,
                             n_tiles, rows, bn)
     if staged:          # (a GEMM_XPREP build's default: the prepared rows too)
-        fn_of = xprep_kernels(rig, monkeypatch, "moe", "GEMM_RAW_SPAN", 128)
+        fn_of = variant_kernels(rig, monkeypatch, "moe", "GEMM_RAW_SPAN", 128)
     else:
-        fn_of = xprep_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
+        fn_of = variant_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
     gu, dn = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, bn)
     rig.poison(h, out)
     rig.run(grp, gu, dn)
@@ -1130,7 +1133,7 @@ def test_gemm_staged_weights(rig, qt, monkeypatch):
     rig.commit()
     launches = {}
     for staged in (False, True):
-        fn = xprep_kernels(rig, monkeypatch, "gemm", "GEMM_RAW_SPAN", 128 if staged else 0)
+        fn = variant_kernels(rig, monkeypatch, "gemm", "GEMM_RAW_SPAN", 128 if staged else 0)
         sfx = "_s" if staged else ""
         assert (kgemm.raw_pitch(qt, kgemm.chunk_k([qt])) > 0) == staged
         for kind, w2 in (("plain", None), ("glu", m2)):
@@ -1238,7 +1241,7 @@ def test_gemm_prepared_rows(rig, types, n_in, monkeypatch):
     split buffer (549: a partial last k-chunk, rows not a multiple of 4), rows past n_rows untouched; and within
     1e-5 of float64. The emulator builds gemm.cu with GEMM_XPREP=1 for it; on the GPU it runs in such a build."""
     from strata.kernels import gemm as kgemm
-    fn = xprep_kernels(rig, monkeypatch, "gemm")
+    fn = variant_kernels(rig, monkeypatch, "gemm")
     rng = np.random.default_rng(17 + n_in)
     T, (qa, qb), (na, nb) = 150, types, (1100, 1030)
     X = (rng.standard_normal((T, n_in)) * 10.0 ** rng.uniform(-3, 3, (T, 1))).astype(F32)
@@ -1279,7 +1282,7 @@ def test_gemm_prepared_weights(rig, monkeypatch):
     poisoned before the split; within 1e-5 of float64, rows past n_rows untouched. The emulator builds gemm.cu with
     GEMM_WPREP=1 for it; on the GPU it runs in such a build."""
     from strata.kernels import gemm as kgemm
-    fn = xprep_kernels(rig, monkeypatch, "gemm", "GEMM_WPREP")
+    fn = variant_kernels(rig, monkeypatch, "gemm", "GEMM_WPREP")
     rng = np.random.default_rng(23)
     n_in, T = 768, 150
     X = rng.standard_normal((T, n_in)).astype(F32)

@@ -143,13 +143,13 @@ __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #ifndef GEMM_XPREP
 #define GEMM_XPREP 1
 #endif
-// GEMM_WPREP (default 1; 0 builds the tiles without the copy, for a same-call comparison): a job's weights may come prepared by
-// w_split (gemm.cu), decoded and split once per launch into the same planes x_split writes for x, which the tile
-// then copies instead of decoding: a prefill chunk's plain tiles decode every weight once per N tile (32 times at
-// 4096 rows), the issue-bound part of the wgmma tile once x is prepared. The planes take 4 bytes a weight against
-// the quantized ~0.5-1, so the launch walks its tiles in groups of M tiles (gemm_jobs_body's swz) to read each
-// group's planes from L2 for every N tile. wgmma tiles only. H100, 2026-12-05 (bench/RESULTS.md): a 4096-row chunk
-// 1,347 -> 1,214 ms; attn_qkv 2.34 -> 1.97 ms, hc down 0.92 -> 0.50 ms, splits included.
+// GEMM_WPREP (default 1; 0 builds the tiles without the copy, for a same-call comparison): a job's weights may come
+// prepared by w_split (gemm.cu), decoded and split once per launch into the same planes x_split writes for x, which
+// the tile then copies instead of decoding: a prefill chunk's plain tiles decode every weight once per N tile (32
+// times at 4096 rows), the issue-bound part of the wgmma tile once x is prepared. The planes take 4 bytes a weight
+// against the quantized ~0.5-1, so the launch walks its tiles in groups of M tiles (gemm_jobs_body's swz) to read
+// each group's planes from L2 for every N tile. wgmma tiles only. H100, 2026-12-05 (bench/RESULTS.md): a 4096-row
+// chunk 1,347 -> 1,214 ms; attn_qkv 2.34 -> 1.97 ms, hc down 0.92 -> 0.50 ms, splits included.
 #ifndef GEMM_WPREP
 #define GEMM_WPREP 1
 #endif
@@ -316,6 +316,7 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
 struct RawSpec {
     int span, qk, bb;       // a row's bytes a k-chunk reads (0: not staged), the format's block elements and bytes
 };
+constexpr RawSpec NOT_STAGED{0, 1, 0};
 template <int BK, class F>
 __device__ __forceinline__ RawSpec raw_of() {
     constexpr int span = F::QK <= BK && BK / F::QK * F::BB <= GEMM_RAW_SPAN ? BK / F::QK * F::BB : 0;
@@ -332,7 +333,7 @@ __device__ __forceinline__ RawSpec raw_spec(int type) {
         case T_Q2_0: return raw_of<BK, FQ2_0>();
         case T_IQ4_NL: return raw_of<BK, FIQ4_NL>();
     }
-    return RawSpec{0, 1, 0};
+    return NOT_STAGED;
 }
 // a staged row's bytes in shared memory: its span from the 16-byte boundary at or before its start, whole pieces
 __device__ __forceinline__ int raw_pitch(int span) { return span > 0 ? (span + 30) / 16 * 16 : 0; }
@@ -602,14 +603,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     // + 8 j + 2 t (+ 1)
     const int rbase = GM_WG ? 16 * warp : (warp % WM) * MT * 16, rstep = GM_WG ? 64 : 16;
     const int cbase = GM_WG ? 0 : (warp / WM) * NT * 8;
-    const int mrows = min(PAIR ? BM / 2 : BM, n_out - m0);
+    const int R1 = PAIR ? BM / 2 : BM, mrows = min(R1, n_out - m0);     // R1: the rows of w (the rest: w2's)
     const bool wcopy = GM_WG && GEMM_WPREP && !PAIR && wp != nullptr && (!glu || wp2 != nullptr);
     const bool xcopy = GM_WG && GEMM_XPREP && xp != nullptr;
-    // a decoding tile's staged weight bytes (GEMM_RAW_SPAN): w's rows (R1 of them) then w2's, after the shifts, in
-    // two stages; gemm.py's smem_bytes counts them
-    const int R1 = PAIR ? BM / 2 : BM;
-    const RawSpec f1 = wcopy ? RawSpec{0, 1, 0} : raw_spec<BK>(type);
-    const RawSpec f2 = wcopy || !(glu || PAIR) ? RawSpec{0, 1, 0} : raw_spec<BK>(type2);
+    // a decoding tile's staged weight bytes (GEMM_RAW_SPAN): w's rows then w2's, after the shifts, in two stages;
+    // gemm.py's smem_bytes counts them
+    const RawSpec f1 = wcopy ? NOT_STAGED : raw_spec<BK>(type);
+    const RawSpec f2 = wcopy || !(glu || PAIR) ? NOT_STAGED : raw_spec<BK>(type2);
     const int pitch = raw_pitch(max(f1.span, f2.span)), rstage = (glu || PAIR ? 2 : 1) * R1 * pitch;
     u8* raw = (u8*)(sh_x + BN);
     auto issue_raw = [&](int k0, int st) {
@@ -633,14 +633,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         }
         const u8* r1 = f1.span ? raw + st * rstage : nullptr;
         const u8* r2 = f2.span ? raw + st * rstage + R1 * pitch : nullptr;
-        if (wcopy) {
-        } else if (PAIR) {          // w's rows m0.. in the tile's first half, w2's in the second
+        if (PAIR) {                 // w's rows m0.. in the tile's first half, w2's in the second (never prepared)
             deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM / 2, sh_w, wlo, Layout<BK>::lo(BM),
                          r1, pitch);
             deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in,
                          (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, sh_w + BM / 2, wlo,
                          Layout<BK>::lo(BM), r2, pitch);
-        } else {
+        } else if (!wcopy) {
             deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w, wlo, -1, r1, pitch);
             if (glu)
                 deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2, wlo, -1, r2, pitch);

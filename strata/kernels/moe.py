@@ -257,12 +257,6 @@ def tile_bn(max_rows: int, k: int, n_expert: int) -> int:
     return 16 if pairs <= 16 * n_expert else 128 if pairs >= WIDE_PAIRS * n_expert else 64
 
 
-def gu_outputs(bn: int) -> int:
-    """Outputs (rows of gate, and of up) a gate/up CTA takes: its tile's rows, half of them in the paired tile."""
-    from strata.kernels.gemm import tile_bm
-    return tile_bm(bn, True) // (2 if bn == 128 else 1)
-
-
 def max_tiles(max_rows: int, k: int, n_expert: int, bn: int) -> int:
     """Tiles of a step at most: every used expert's partial tile plus the full ones."""
     pairs = max_rows * k
@@ -317,7 +311,7 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     plan = split_plan(cfg, bank, rows, bn)
     (_, kg, _), (_, kd, _) = plan                      # the two GEMMs' k-chunks
     bg, bd = tile_bm(bn, True), tile_bm(bn, False)     # moe.cu's tile heights (its down tiles: always the wide ones)
-    pair = bn == 128                                   # the gate/up tiles: paired GLU (one accumulator set)
+    pair = bn == 128        # the gate/up tiles: paired GLU (one accumulator set), bg / 2 outputs a CTA (moe.cu)
     xs_gu, xs_dn = splits if splits is not None else (None, None)
     for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), plan):
         if xs is None:
@@ -327,7 +321,7 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
                              f"tiles need {n_in}, {bk}, {nr}")
         need(xs.buf, name + " split", xsplit_bytes(n_in, bk, xs.max_rows), np.uint8)
     sp = lambda xs: (P(xs.buf), I(xs.rows)) if xs is not None else (P(None), I(0))
-    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // gu_outputs(bn)), nt), (128,),
+    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // (bg // 2 if pair else bg)), nt), (128,),
                 smem_bytes(kg, bn, bg, not pair, (bank.gate.qtype, bank.up.qtype)),
                 [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h), *sp(xs_gu)])
     dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // bd), nt), (128,),
