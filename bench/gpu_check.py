@@ -471,9 +471,8 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     """The batched step's routed experts at a preset's geometry (flash: 512 experts of 2560 -> 640, top-10), Q2_0 as
     in the realistic mix, every expert in VRAM, over a chunk of `rows`: moe_group, then each grouped launch (the
     splits of GEMM_XPREP, gate/up, down), the median ms of 15 replays of its own captured graph, with TFLOP/s of
-    useful work. Routing: each row's top-k drawn without replacement with probabilities exp(skew z_e), z_e ~ N(0, 1)
-    per expert (the preset's realistic skew, flash's where it has none; random weights route almost uniformly
-    otherwise): what sets the pairs an expert gets, so the tiles' fill."""
+    useful work. Routing: make-model's realistic routing (the preset's skew, flash's where it has none; random
+    weights route almost uniformly otherwise): what sets the pairs an expert gets, so the tiles' fill."""
     from strata.cuda import driver as drv
     from strata.cuda.arena import Arena, DevMat
     from strata.cuda.weights import device_rows
@@ -490,26 +489,28 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     kern = Kernels(dev.arch)
     stream = drv.Stream()
     rng = np.random.default_rng(7)
-    # top-k without replacement by the Gumbel trick: the k largest of log p + Gumbel noise
-    logp = ROUTING_SKEW.get(preset, ROUTING_SKEW["flash"]) * rng.standard_normal(n_exp)
-    ids_v = np.argsort(-(logp + rng.gumbel(size=(rows, n_exp))), axis=1)[:, :k].astype(np.int32)
+    # make-model's realistic routing (strata.model.synth): expert e's router logits scaled by exp(skew z_e),
+    # z_e ~ N(0, 1), rescaled to RMS 1, over a near-isotropic input: each row's top k of N(0, s_e^2) logits
+    s = np.exp(ROUTING_SKEW.get(preset, ROUTING_SKEW["flash"]) * rng.standard_normal(n_exp))
+    s /= np.sqrt(np.mean(s * s))
+    ids_v = np.argsort(-(rng.standard_normal((rows, n_exp)) * s), axis=1)[:, :k].astype(np.int32)
     per = np.bincount(ids_v.ravel(), minlength=n_exp)
-    bn = kmoe.tile_bn(rows, k, n_exp)
-    nt = kmoe.max_tiles(rows, k, n_exp, bn)
+    plan = kmoe.tile_plan(rows, k, n_exp)
     rb_gu, rb_d = row_bytes(qt, E), row_bytes(qt, Fn)
     A = Arena()
     g, u = A.reserve("gate", (n_exp * Fn * rb_gu,), np.uint8), A.reserve("up", (n_exp * Fn * rb_gu,), np.uint8)
     d = A.reserve("down", (n_exp * E * rb_d,), np.uint8)
     ids, step = A.reserve("ids", (rows, k), np.int32), A.reserve("step", (16,), np.int32)
     pair_tok, pair_of = A.reserve("pair_tok", (rows * k,), np.int32), A.reserve("pair_of", (rows * k,), np.int32)
-    tiles, n_tiles = A.reserve("tiles", (4 * nt,), np.int32), A.reserve("n_tiles", (1,), np.int32)
+    tiles = A.reserve("tiles", (4 * (plan.cap + plan.cap2),), np.int32)
+    n_tiles = A.reserve("n_tiles", (2,), np.int32)
     job, x = A.reserve("job", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), A.reserve("x", (rows, E))
     h, out = A.reserve("h", (rows * k, kmoe.padded_ff(cfg))), A.reserve("out", (rows * k, E))
     gm, um = DevMat(g, int(qt), Fn, E, rb_gu, n_exp), DevMat(u, int(qt), Fn, E, rb_gu, n_exp)
     dm = DevMat(d, int(qt), E, Fn, rb_d, n_exp)
     bank = kmoe.ExpertBank(gm, 0, um, 0, dm, 0, (gm.mat_bytes, um.mat_bytes, dm.mat_bytes))
-    plan = kmoe.split_plan(cfg, bank, rows, bn)
-    xsb = [A.reserve(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8) for i, p in enumerate(plan)] \
+    sp_plan = kmoe.split_plan(cfg, bank, plan)
+    xsb = [A.reserve(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8) for i, p in enumerate(sp_plan)] \
         if kgemm.XPREP and dev.arch == 90 else None
     A.commit()
     for buf, n_out, n_in in ((g, Fn, E), (u, Fn, E), (d, E, Fn)):
@@ -519,30 +520,38 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     w = np.zeros(16, np.int32)
     w[1], w[3], w[4] = 8192, rows, 1
     step.upload(w)
-    splits = tuple(kgemm.XSplit(b, *p) for b, p in zip(xsb, plan)) if xsb else None
+    splits = tuple(kgemm.XSplit(b, *p) for b, p in zip(xsb, sp_plan)) if xsb else None
     fn = lambda n: kern.fn("moe", n)
     grp = kmoe.group_launch(fn("moe_group"), "group", cfg, ids, None, step, pair_tok, pair_of, tiles, n_tiles, rows,
-                            bn)
-    launches = kmoe.grouped_launches(fn, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, bn,
+                            plan)
+    launches = kmoe.grouped_launches(fn, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, plan,
                                      splits)
     for l in (grp, *launches):              # the tiles and every launch's inputs: one eager pass
         l.enqueue(stream)
     stream.synchronize("moe inputs")
+    used = [int(v) for v in n_tiles.download()]
     times = {"moe_group": graph_ms("moe group", stream, [grp])}
     times.update({l.name.split(".", 1)[1]: graph_ms(f"moe {l.name}", stream, [l]) for l in launches})
-    tiles_used = int(sum(-(-int(c) // bn) for c in per))
+    # moe_group's rule, in numpy: the tiles each list should hold
+    r = per % plan.bn
+    want = [int((per // plan.bn + (r > plan.bn2)).sum()), int(((r > 0) & (r <= plan.bn2)).sum())]
+    if used != want:
+        raise SystemExit(f"moe_group made {used} tiles, the plan's rule {want}")
+    slots = used[0] * plan.bn + used[1] * plan.bn2
     flop = {"gate_up": 2 * 2 * rows * k * Fn * E, "down": 2 * rows * k * Fn * E}
+    gemm_ms = {g: sum(ms for n, ms in times.items() if n.split(".")[0] == g) for g in flop}
     defines = os.environ.get("STRATA_KERNEL_DEFINES", "")
+    lists = f"{used[0]} tiles of {plan.bn} pairs" + (f" and {used[1]} of {plan.bn2}" if plan.bn2 else "")
     say(f"moe {rows} rows top-{k} of {n_exp}, defines '{defines}': pairs an expert min {per.min()} median "
-        f"{int(np.median(per))} max {per.max()}; {tiles_used} tiles of {bn} pairs ({rows * k / (tiles_used * bn):.0%} "
-        f"filled)")
-    say("moe " + ", ".join(f"{n} {ms:.3f} ms" + (f" ({flop[n] / ms / 1e9:.1f} TFLOP/s)" if n in flop else "")
-                           for n, ms in times.items()) + f"; all {sum(times.values()):.3f} ms")
+        f"{int(np.median(per))} max {per.max()}; {lists} ({rows * k / slots:.0%} filled)")
+    say("moe " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()) + f"; all {sum(times.values()):.3f} ms; "
+        + ", ".join(f"{g} {gemm_ms[g]:.3f} ms ({flop[g] / gemm_ms[g] / 1e9:.1f} TFLOP/s)" for g in flop))
     A.free()
     stream.destroy()
-    RESULTS.setdefault("moe", []).append({"defines": defines, "rows": rows, "ms": times, "tiles": tiles_used,
-                                          "bn": bn, "pairs_per_expert": [int(per.min()), int(np.median(per)),
-                                                                         int(per.max())]})
+    RESULTS.setdefault("moe", []).append({"defines": defines, "rows": rows, "ms": times, "tiles": used,
+                                          "bn": [plan.bn, plan.bn2], "pairs_per_expert": [int(per.min()),
+                                                                                         int(np.median(per)),
+                                                                                         int(per.max())]})
 
 
 def phase_mapped() -> None:

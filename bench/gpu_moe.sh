@@ -7,7 +7,7 @@
 # (bench/gpu_ncu.sh moe) at the end. FIRST_TESTS_ONLY=1: the tests in the first build only; KTESTS="not zzz": every
 # kernel test, not only the GEMM ones; GEMM_ROWS=512,4096: bench_gemm.py at those rows per variant too. Logs
 # (moe_<n>.log, gemm_<n>.log, prefill_<n>.log, backend.log, ncu_moe.txt) come back as $OUT/moe_logs.tgz.
-#   VARIANTS=";MOE_WIDE_PAIRS=100000" MODEL=models/flash-realistic.gguf bash bench/gpu_moe.sh
+#   VARIANTS=";MOE_NARROW_LAST=0;MOE_WIDE_PAIRS=100000" MODEL=models/flash-realistic.gguf bash bench/gpu_moe.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
@@ -50,4 +50,5 @@ if [ -n "${NCU:-}" ]; then
     timeout "${NCU_S:-200}" bash bench/gpu_ncu.sh moe | tail -80
 fi
 echo "total ${SECONDS} s"
-(cd "$out" && tar czf moe_logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
+# one archive (the device tool brings back a few files): whatever logs there are, the missing kinds skipped
+(cd "$out" && shopt -s nullglob && logs=(./*.log ./*.txt) && tar czf moe_logs.tgz "${logs[@]}" && rm -f "${logs[@]}")

@@ -62,4 +62,4 @@ def test_gpu_check_moe(emulated, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert re.search(r"moe 40 rows top-8 of 64, .*tiles of 16 pairs", out), out
     names = re.findall(r"(\w+) [\d.]+ ms", out.splitlines()[-1])
-    assert names == ["moe_group", "gate_up_split", "gate_up", "down_split", "down", "all"], out
+    assert names == ["moe_group", "gate_up_split", "gate_up", "down_split", "down", "all", "gate_up", "down"], out

@@ -434,26 +434,32 @@ def test_batched_prepared_weights(case, device, monkeypatch, tmp_path_factory, r
 
 
 def test_batched_wide_expert_tiles(case, monkeypatch):
-    """Expert tiles of 128 pairs (moe.py tile_bn; gate/up in gemm.cuh's paired GLU tile) through the backend, made
-    to apply at steps of 48 rows (MOE_WIDE_PAIRS lowered to the 18 pairs an expert they have): every row bit for bit
-    what 64-pair tiles give, and within 1e-4 of transformers."""
+    """Expert tiles of 128 pairs (moe.py tile_plan; gate/up in gemm.cuh's paired GLU tile) through the backend, made
+    to apply at steps of 48 rows (MOE_WIDE_PAIRS lowered to the 18 pairs an expert they have), alone and with each
+    expert's last <= 64 pairs in 64-pair tiles (MOE_NARROW_LAST, every tile here): every row bit for bit what
+    64-pair tiles give, and within 1e-4 of transformers. (tests/test_cuda_kernels.py test_grouped_experts mixes
+    the two lists in one step.)"""
     from strata.kernels import moe as kmoe
     spec, model, tokens, ref = case
     if spec.name != "grouped":
         pytest.skip("one geometry is enough for the expert tiles")
     sizes = chunk_sizes(len(tokens), spec.seed, big=40)
 
-    def run(wide: int):
+    def run(wide: int, narrow_last: int):
         monkeypatch.setattr(kmoe, "WIDE_PAIRS", wide)
+        monkeypatch.setattr(kmoe, "NARROW_LAST", narrow_last)
         be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, log=print)
         try:
-            assert be.batch.bn_exp == (128 if wide < 64 else 64)
+            tp = be.batch.tile_plan
+            assert (tp.bn, tp.bn2) == ((128, 64 if narrow_last else 0) if wide < 64 else (64, 0))
             return run_steps(be, model, tokens, sizes)
         finally:
             be.close()
-    wide, narrow = run(48 * 3 // 8), run(64)
-    assert np.array_equal(wide, narrow), "128-pair expert tiles gave other numbers"
-    assert rel_err(wide, ref).max() <= 1e-4
+    narrow = run(64, 1)
+    for wide, last in ((48 * 3 // 8, 0), (48 * 3 // 8, 1)):
+        got = run(wide, last)
+        assert np.array_equal(got, narrow), f"128-pair expert tiles (narrow last {last}) gave other numbers"
+    assert rel_err(narrow, ref).max() <= 1e-4
 
 
 def test_batched_host_cache(case):

@@ -847,8 +847,7 @@ def test_experts(rig, qt):
 
 def variant_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", value: int = 1):
     """fn_of(kernel name) of `module` built with `define`=value (GEMM_XPREP: the tiles' copy of prepared rows;
-    GEMM_WPREP: of prepared weights; GEMM_RAW_SPAN: the staged weight bytes), and gemm.py's twin of the define
-    takes the value (the launches' shared memory): the emulator builds the variant for the test, and so does NVRTC
+    GEMM_WPREP: of prepared weights), and gemm.py's twin of the define takes the value (the launches' shared memory): the emulator builds the variant for the test, and so does NVRTC
     on the GPU when the session's build differs."""
     from strata.kernels import gemm as kgemm
     from strata.kernels.build import Module
@@ -864,20 +863,42 @@ def variant_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", v
     return mod.function
 
 
+def check_tiles(plan, tiles: np.ndarray, counts: np.ndarray, pair_of: np.ndarray, ids: np.ndarray,
+                slot: np.ndarray, k: int) -> None:
+    """moe_group's tile table against moe.py's rule (TilePlan): per list, each tile's slot, first pair, pairs and
+    plane row; each GPU expert's pairs [first, first + c) covered by its tiles in order, each pair's expert's."""
+    rows, n_exp = ids.shape[0], len(slot)
+    per = np.bincount(ids.ravel()[slot[ids.ravel()] >= 0], minlength=n_exp)
+    r = per % plan.bn
+    want = [int((per // plan.bn + (r > plan.bn2)).sum()), int(((r > 0) & (r <= plan.bn2)).sum())]
+    assert counts.tolist() == want, f"tile counts {counts.tolist()}, the rule's {want}"
+    lists = [tiles[:4 * plan.cap].reshape(-1, 4)[:want[0]], tiles[4 * plan.cap:].reshape(-1, 4)[:want[1]]]
+    assert all((t[:, 3] == base + np.arange(len(t)) * bn).all()
+               for t, base, bn in zip(lists, (0, plan.cap * plan.bn), (plan.bn, plan.bn2))), "plane rows"
+    assert (lists[0][:, 2] > plan.bn2).all() and (lists[0][:, 2] <= plan.bn).all()
+    assert (lists[1][:, 2] <= plan.bn2).all()
+    covered = np.full(rows * k, -1)
+    for t in np.concatenate(lists):
+        assert (covered[t[1]:t[1] + t[2]] == -1).all(), "a pair in two tiles"
+        covered[t[1]:t[1] + t[2]] = t[0]
+    flat = ids.ravel()
+    gpu = slot[flat] >= 0
+    assert (covered[pair_of[gpu]] == slot[flat[gpu]]).all(), "a pair in another expert's tile"
+    assert (covered[len(pair_of[gpu]):] == -1).all()
+
+
 @both_rigs
-@pytest.mark.parametrize("qt,rows,prep,staged", [
-    (QType.Q2_0, 40, False, False), (QType.Q6_K, 40, False, False), (QType.Q4_K, 9, False, False),
-    (QType.Q2_0, 40, True, False), (QType.Q6_K, 9, True, False), (QType.Q2_0, 100, True, False),
-    (QType.Q6_K, 100, False, False), (QType.Q2_0, 100, True, True), (QType.Q8_0, 40, False, True)],
-    ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep", "Q6_K-100",
-         "Q2_0-100-prep-staged", "Q8_0-40-staged"])
-def test_grouped_experts(rig, qt, rows, prep, staged, monkeypatch):
+@pytest.mark.parametrize("qt,rows,prep", [
+    (QType.Q2_0, 40, False), (QType.Q6_K, 40, False), (QType.Q4_K, 9, False), (QType.Q2_0, 40, True),
+    (QType.Q6_K, 9, True), (QType.Q2_0, 100, True), (QType.Q6_K, 100, False)],
+    ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep", "Q6_K-100"])
+def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in tiles
-    (128 pairs at 100 rows, 64 at 40, 16 at 9; staged: a GEMM_RAW_SPAN build, the tiles' next k-chunk of weight bytes
-    copied into shared memory while they decode this one), the grouped GLU and down GEMMs (gemm.cuh's tile) compute
-    each pair at its expert's slot; a pair whose expert has no VRAM slot is left to the host (pair_of -1). Against
-    float64. prep: in a GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own
-    split."""
+    (128 pairs at 100 rows, an expert's last <= 64 in a second list of 64-pair tiles; 64 at 40, 16 at 9), the
+    grouped GLU and down GEMMs (gemm.cuh's tile) compute each pair at its expert's slot; a pair whose expert has no
+    VRAM slot is left to the host (pair_of -1). Against float64; the tile table against moe.py's rule. prep: in a
+    GEMM_XPREP build, each GEMM's tile rows split once by moe_split: bit for bit the tiles' own split. At 100 rows
+    the 128-pair tiles alone (MOE_NARROW_LAST=0) give the same numbers bit for bit."""
     rng = np.random.default_rng(int(qt) + rows)
     E, Fn, n_exp, k = 256, 256, 6, 4
     cfg = cfg_tiny(n_embd=E, n_ff_exp=Fn, n_expert=n_exp, n_expert_used=k)
@@ -893,47 +914,56 @@ def test_grouped_experts(rig, qt, rows, prep, staged, monkeypatch):
     slot_v = np.array([2, 0, -1, 5, 1, 3], np.int32)          # expert 2 on the host
     ids_v = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(rows)]).astype(np.int32)
     X = rng.standard_normal((rows, E)).astype(F32)
-    bn = kmoe.tile_bn(rows, k, n_exp)
-    assert bn == {9: 16, 40: 64, 100: 128}[rows]          # 128: gate/up in the paired GLU tile (gemm.cuh PAIR)
-    nt = kmoe.max_tiles(rows, k, n_exp, bn)
+    plan = kmoe.tile_plan(rows, k, n_exp)
+    assert (plan.bn, plan.bn2) == {9: (16, 0), 40: (64, 0), 100: (128, 64)}[rows]    # 128: gemm.cuh's paired GLU
+    plans = [plan] + ([kmoe.TilePlan(128, min(n_exp, rows * k) + rows * k // 128)] if rows == 100 else [])
     ids, slot_of = rig.buf("ids", (rows, k), np.int32, ids_v), rig.buf("slot_of", (n_exp,), np.int32, slot_v)
     step = rig.buf("step", (STEP_N,), np.int32, step_words())
     pair_tok, pair_of = rig.buf("pair_tok", (rows * k,), np.int32), rig.buf("pair_of", (rows * k,), np.int32)
-    tiles, n_tiles = rig.buf("tiles", (4 * nt,), np.int32), rig.buf("n_tiles", (1,), np.int32)
+    tiles = rig.buf("tiles", (4 * max(p.cap + p.cap2 for p in plans),), np.int32)
+    n_tiles = rig.buf("n_tiles", (2,), np.int32)
     job, x = rig.buf("job", (kmoe.MOE_JOB_DTYPE.itemsize,), np.uint8), rig.buf("x", (rows, E), value=X)
     h, out = rig.buf("h", (rows * k, kmoe.padded_ff(cfg))), rig.buf("out", (rows * k, E))
     if prep:
         from strata.kernels import gemm as kgemm
-        plan = kmoe.split_plan(cfg, bank, rows, bn)
+        sp_plan = kmoe.split_plan(cfg, bank, plan)
         bk = 64 if qt == QType.Q2_0 else 128           # Q6_K's 256-element blocks: k-chunks of 128
-        assert plan == ((E, bk, nt * bn), (Fn, bk, nt * bn))
-        splits = [kgemm.XSplit(rig.buf(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8), *p) for i, p in enumerate(plan)]
+        assert sp_plan == ((E, bk, plan.plane_rows), (Fn, bk, plan.plane_rows))
+        splits = [kgemm.XSplit(rig.buf(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8), *p)
+                  for i, p in enumerate(sp_plan)]
     rig.commit()
     w = step_words()
     w[3] = rows                                                # STEP_T: the step's rows
     step.upload(w)
-    grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of, tiles,
-                            n_tiles, rows, bn)
-    if staged:          # (a GEMM_XPREP build's default: the prepared rows too)
-        fn_of = variant_kernels(rig, monkeypatch, "moe", "GEMM_RAW_SPAN", 128)
-    else:
-        fn_of = variant_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
-    gu, dn = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, bn)
-    rig.poison(h, out)
-    rig.run(grp, gu, dn)
-    po, pt, got = pair_of.download(), pair_tok.download(), out.download()
+    fn_of = variant_kernels(rig, monkeypatch, "moe") if prep else lambda n: rig.k.fn("moe", n)
+    outs = []
+    for pl in plans:
+        grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of,
+                                tiles, n_tiles, rows, pl)
+        rig.poison(h, out)
+        rig.run(grp, *kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out,
+                                            rows, pl))
+        outs.append(out.download())
+        check_tiles(pl, tiles.download(), n_tiles.download(), pair_of.download(), ids_v, slot_v, k)
+    po, pt, got = pair_of.download(), pair_tok.download(), outs[0]
+    live = po[po >= 0]
+    for o in outs[1:]:
+        assert np.array_equal(o[:len(live)], got[:len(live)]), "128-pair tiles alone gave other numbers"
     if prep:
         for xs in splits:
             xs.buf.upload(np.full(xs.buf.shape, 0xA5, np.uint8))          # stale planes would show
+        grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of,
+                                tiles, n_tiles, rows, plan)
         rig.poison(h, out)
         launches = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows,
-                                         bn, splits)
-        assert [ln.name for ln in launches] == ["experts.gate_up_split", "experts.gate_up", "experts.down_split",
-                                                "experts.down"]
-        rig.run(*launches)
-        assert np.array_equal(out.download()[:len(po[po >= 0])], got[:len(po[po >= 0])]), \
-            "the prepared rows give other numbers"
-    live = po[po >= 0]
+                                         plan, splits)
+        names = ["experts.gate_up_split", "experts.gate_up", "experts.down_split", "experts.down"]
+        if plan.bn2:
+            names = ["experts.gate_up_split", "experts.gate_up_split.64", "experts.gate_up", "experts.gate_up.64",
+                     "experts.down_split", "experts.down_split.64", "experts.down", "experts.down.64"]
+        assert [ln.name for ln in launches] == names
+        rig.run(grp, *launches)
+        assert np.array_equal(out.download()[:len(live)], got[:len(live)]), "the prepared rows give other numbers"
     assert np.array_equal(np.sort(live), np.arange(len(live))), "pairs are not a permutation"
     for t in range(rows):
         for j in range(k):
@@ -1110,46 +1140,6 @@ def test_gemm_formats(rig, qt, max_rows):
         assert rel(out[t], ref[t]) <= TOL, f"row {t}: {rel(out[t], ref[t]):.2e}"
     for t, (_, b) in zip(picks, gv):              # the T=1 path (GEMV) of the same row
         assert rel(out[t], b.download()) <= TOL, f"row {t} vs GEMV: {rel(out[t], b.download()):.2e}"
-
-
-@both_rigs
-@pytest.mark.parametrize("qt", [QType.Q2_0, QType.Q8_0, QType.Q4_0, QType.Q5_1, QType.IQ4_NL],
-                         ids=lambda q: q.name)
-def test_gemm_staged_weights(rig, qt, monkeypatch):
-    """GEMM_RAW_SPAN (gemm.cuh): a decoding tile copies the next k-chunk's weight bytes into shared memory by
-    cp.async while it decodes this one from there: bit for bit the tile reading its blocks from global memory, and
-    within 1e-5 of float64. Rows of an odd number of blocks (their chunks start at every alignment mod 16), an n_in
-    whose last chunk is short, a GLU pair (two staged matrices) and a plain job in one launch each."""
-    from strata.kernels import gemm as kgemm
-    rng = np.random.default_rng(int(qt) + 77)
-    qk = kgemv.BLOCKS[qt][0]
-    n_in, n_out, rows = qk * (672 // qk + (672 // qk + 1) % 2), 72, 40      # an odd block count a row
-    raw, raw2 = random_matrix(qt, n_out, n_in, rng), random_matrix(qt, n_out, n_in, rng)
-    X = rng.standard_normal((rows, n_in)).astype(F32)
-    m, m2 = rig.mat("w", raw, qt, n_out, n_in), rig.mat("w2", raw2, qt, n_out, n_in)
-    xb, nr = rig.buf("x", X.shape, value=X), rig.buf("n_rows", (1,), np.int32, [rows])
-    ys = {k: rig.buf(f"y_{k}", (rows, n_out)) for k in ("plain", "glu", "plain_s", "glu_s")}
-    tabs = {k: kgemm.job_table(f"jobs_{k}", 1, rig.A.reserve) for k in ys}
-    rig.commit()
-    launches = {}
-    for staged in (False, True):
-        fn = variant_kernels(rig, monkeypatch, "gemm", "GEMM_RAW_SPAN", 128 if staged else 0)
-        sfx = "_s" if staged else ""
-        assert (kgemm.raw_pitch(qt, kgemm.chunk_k([qt])) > 0) == staged
-        for kind, w2 in (("plain", None), ("glu", m2)):
-            launches[kind + sfx] = kgemm.gemm_launch(fn, kind + sfx, tabs[kind + sfx],
-                                                     [kgemm.GemmJob(m, xb, ys[kind + sfx], w2=w2)], nr, rows)
-    rig.poison(*ys.values())
-    rig.run(*launches.values())
-    out = {k: y.download() for k, y in ys.items()}
-    for kind in ("plain", "glu"):
-        assert np.array_equal(out[kind + "_s"], out[kind]), f"{kind}: the staged bytes gave other numbers"
-    W, W2 = (dequantize(r, qt).reshape(n_out, n_in).astype(np.float64) for r in (raw, raw2))
-    a, b = X.astype(np.float64) @ W.T, X.astype(np.float64) @ W2.T
-    ref = {"plain": a, "glu": a * 0.5 * (1 + np.tanh(a / 2)) * b}       # silu(a) b, without exp's overflow
-    for kind in ("plain", "glu"):
-        for t in range(rows):
-            assert rel(out[kind + "_s"][t], ref[kind][t]) <= TOL, f"{kind} row {t}"
 
 
 @pytest.mark.parametrize("qt", [QType.F32, QType.Q8_0], ids=["F32", "Q8_0"])
@@ -1355,18 +1345,20 @@ def test_batch_prepares_each_x_once(monkeypatch):
     # the expert GEMMs' tile splits: one buffer per input length, planned before the experts' types are known,
     # so large enough for either k-chunk (576 = 9 chunks of 64 or 5 of 128: the 128s need more)
     bp.be.cfg = cfg_tiny(n_embd=512, n_ff_exp=576, n_expert=13, n_expert_used=3)
-    bp._plan_tile_splits(64)
-    nr = kmoe.max_tiles(300, 3, 13, 64) * 64
+    tp = kmoe.tile_plan(300, 3, 13)
+    assert (tp.bn, tp.bn2) == (64, 0)
+    bp._plan_tile_splits(tp)
+    nr = tp.plane_rows
     b1 = SimpleNamespace(gate=q4, up=q4, down=q4)                  # (split_plan reads the banks' types only)
     b2 = SimpleNamespace(gate=q4, up=q4, down=q6)
-    s1, s2 = bp._tile_splits(b1, 64), bp._tile_splits(b2, 64)
+    s1, s2 = bp._tile_splits(b1, tp), bp._tile_splits(b2, tp)
     assert s1[0].buf is s2[0].buf and s1[1].buf is s2[1].buf and s1[0].buf is not s1[1].buf
     assert [(x.n_in, x.bk, x.max_rows) for x in s1 + s2] == [(512, 64, nr), (576, 64, nr), (512, 64, nr),
                                                              (576, 128, nr)]
     assert s2[1].buf.size >= kgemm.xsplit_bytes(576, 128, nr) > kgemm.xsplit_bytes(576, 64, nr)
     bp.xprep = False
-    bp._plan_tile_splits(64)
-    assert bp._tile_splits(b1, 64) is None
+    bp._plan_tile_splits(tp)
+    assert bp._tile_splits(b1, tp) is None
 
 
 def test_batch_plans_weight_planes():

@@ -54,7 +54,7 @@ class BatchPath:
         cfg = be.cfg
         self.logit_rows = max(1, min(rows, LOGIT_BYTES // (4 * cfg.n_vocab)))
         self.buckets = buckets(rows)
-        self.bn_exp = kmoe.tile_bn(rows, cfg.n_expert_used, cfg.n_expert)
+        self.tile_plan = kmoe.tile_plan(rows, cfg.n_expert_used, cfg.n_expert)
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self) -> None:
@@ -83,8 +83,9 @@ class BatchPath:
         self.pair_of = R("b.pair_of", (Tm * k,), I32)
         self.h_exp = R("b.h_experts", (Tm * k, Fp))
         self.out_exp = R("b.expert_out", (Tm * k, E))
-        self.tiles = R("b.tiles", (4 * kmoe.max_tiles(Tm, k, cfg.n_expert, self.bn_exp),), I32)
-        self.n_tiles = R("b.n_tiles", (1,), I32)
+        tp = self.tile_plan
+        self.tiles = R("b.tiles", (4 * (tp.cap + tp.cap2),), I32)
+        self.n_tiles = R("b.n_tiles", (2,), I32)
         self.ticket = R("b.ticket", (1,), np.uint32)
         if be.experts == "host":
             self.slot_of = R("b.slot_of", (cfg.n_expert,), I32)
@@ -135,7 +136,7 @@ class BatchPath:
         # planes (the ops of a step run in order on one stream), sized for the largest op
         self.wprep = bool(kgemm.WPREP) and be.dev.arch == 90 and Tm >= kgemm.WPREP_MIN_ROWS
         self._wsplit_bytes = 0
-        self._plan_tile_splits(self.bn_exp)
+        self._plan_tile_splits(self.tile_plan)
         self._ops = self._plan_ops()
         self.wsplit_buf = R("b.wsplit", (self._wsplit_bytes,), U8) if self._wsplit_bytes else None
 
@@ -194,7 +195,7 @@ class BatchPath:
             preps.append((j.x, ldx, xs))
         return dataclasses.replace(j, xs=xs)
 
-    def _plan_tile_splits(self, bn: int) -> None:
+    def _plan_tile_splits(self, plan: kmoe.TilePlan) -> None:
         """With GEMM_XPREP: the expert GEMMs' split buffers, one per input length (the gate/up's E, the down's Fn),
         shared by the layers (each layer's split is read before the next layer's is written) and sized for either
         k-chunk: the layers' expert types (so their chunks) are known only once the experts are planned."""
@@ -202,18 +203,18 @@ class BatchPath:
         self._tile_bufs = {}
         if not self.xprep:
             return
-        nr = kmoe.max_tiles(self.rows, cfg.n_expert_used, cfg.n_expert, bn) * bn
+        nr = plan.plane_rows
         for n_in in (cfg.n_embd, cfg.n_ff_exp):
             if n_in not in self._tile_bufs:
                 size = max(kgemm.xsplit_bytes(n_in, bk, nr) for bk in (64, 128))
                 self._tile_bufs[n_in] = self.be.A.reserve(f"b.tile_split.{n_in}", (size,), U8)
 
-    def _tile_splits(self, bank, bn: int):
+    def _tile_splits(self, bank, plan: kmoe.TilePlan):
         """With GEMM_XPREP: the split buffers of a layer's expert GEMMs (moe.py split_plan), else None."""
         if not self._tile_bufs:
             return None
         return tuple(kgemm.XSplit(self._tile_bufs[n_in], n_in, bk, nr)
-                     for n_in, bk, nr in kmoe.split_plan(self.be.cfg, bank, self.rows, bn))
+                     for n_in, bk, nr in kmoe.split_plan(self.be.cfg, bank, plan))
 
     def _plan_ops(self) -> dict:
         """Per stage, the ops of begin, pre[l], post[l] and head: ('gemm', ...) or ('k', builder(rows))."""
@@ -327,16 +328,16 @@ class BatchPath:
             w_next = be.L[il + 1]["hc_attn_norm"] if il + 1 < cfg.n_layer else be.w_out_norm
             slot_of = self.slot_of if be.experts == "host" else None
             host_parts = self.host_parts if be.experts == "host" else self.out_exp
-            bn = self.bn_exp
+            tp = self.tile_plan
             post.append([
                 ("experts", [
                     k(lambda rows, p=p, slot_of=slot_of: kmoe.group_launch(
                         K.fn("moe", "moe_group"), p + "group", cfg, self.ids, slot_of, step, self.pair_tok,
-                        self.pair_of, self.tiles, self.n_tiles, self.rows, bn)),
+                        self.pair_of, self.tiles, self.n_tiles, self.rows, tp)),
                     k(lambda rows, il=il, p=p: kmoe.grouped_launches(
                         lambda n: K.fn("moe", n), p + "experts", cfg, be.expert_job[il], be.banks[il], self.tiles,
-                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, bn,
-                        self._tile_splits(be.banks[il], bn)))]),
+                        self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, tp,
+                        self._tile_splits(be.banks[il], tp)))]),
                 ("combine", [k(lambda rows, p=p, w_next=w_next, host_parts=host_parts: kmoe.combine_rows_launch(
                     K.fn("moe", "combine_rows"), p + "combine", cfg, self.wts, self.pair_of, self.out_exp,
                     host_parts, self.shared, self.sg, self.inj_f, self.R, self.comb, w_next, self.xn, step,

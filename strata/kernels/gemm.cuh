@@ -302,65 +302,12 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
     return s;
 }
 
-// GEMM_RAW_SPAN=128 (default 0: off): a decoding tile copies the next k-chunk's weight bytes into shared memory
-// (cp.async, two stages) while it decodes and multiplies this one, for formats whose chunk is whole blocks of at
-// most this many bytes a row (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL at 128; the K-quants' 256-element blocks
-// are larger than a chunk reads). Without it each chunk's decode waits on its own global loads: the expert tiles'
-// first stall on the H200 (ncu: long scoreboard, 1.2 cycles per issue at 47% of issue slots). Off until a device
-// call has timed it (checked on the emulator, whose cp.async lands only at the wait, and by the GPU tests of a
-// variant build: test_gemm_staged_weights, test_grouped_experts' staged cases). gemm.py sizes the launches'
-// shared memory by the same rule (raw_pitch).
-#ifndef GEMM_RAW_SPAN
-#define GEMM_RAW_SPAN 0
-#endif
-struct RawSpec {
-    int span, qk, bb;       // a row's bytes a k-chunk reads (0: not staged), the format's block elements and bytes
-};
-constexpr RawSpec NOT_STAGED{0, 1, 0};
-template <int BK, class F>
-__device__ __forceinline__ RawSpec raw_of() {
-    constexpr int span = F::QK <= BK && BK / F::QK * F::BB <= GEMM_RAW_SPAN ? BK / F::QK * F::BB : 0;
-    return RawSpec{span, F::QK, F::BB};
-}
-template <int BK>
-__device__ __forceinline__ RawSpec raw_spec(int type) {
-    switch (type) {
-        case T_Q4_0: return raw_of<BK, FQ4_0>();
-        case T_Q4_1: return raw_of<BK, FQ4_1>();
-        case T_Q5_0: return raw_of<BK, FQ5_0>();
-        case T_Q5_1: return raw_of<BK, FQ5_1>();
-        case T_Q8_0: return raw_of<BK, FQ8_0>();
-        case T_Q2_0: return raw_of<BK, FQ2_0>();
-        case T_IQ4_NL: return raw_of<BK, FIQ4_NL>();
-    }
-    return NOT_STAGED;
-}
-// a staged row's bytes in shared memory: its span from the 16-byte boundary at or before its start, whole pieces
-__device__ __forceinline__ int raw_pitch(int span) { return span > 0 ? (span + 30) / 16 * 16 : 0; }
-
-// Rows [0, nrows) of w, the bytes chunk k0 reads (f.span, less at the end of n_in), into dst (pitch bytes a row)
-// from each row's 16-byte boundary at or before them, so that every address keeps its alignment mod 16 (the
-// decoders' wide loads) by cp.async; the caller commits and waits. A piece may run past the row's last byte
-// inside its 16-byte granule, never past the allocation (the GEMV's stage_issue reads the same way).
-__device__ __forceinline__ void stage_raw(const u8* w, int rb, RawSpec f, int k0, int n_in, int nrows, u8* dst,
-                                          int pitch) {
-    const int n = min(f.span, (n_in - k0) / f.qk * f.bb), per = pitch / 16, d = (int)(dst - SMEM);
-    for (int i = threadIdx.x; i < nrows * per; i += GM_THREADS) {
-        const int r = i / per, j = i % per;
-        const u8* a = w + (size_t)r * rb + (size_t)(k0 / f.qk) * f.bb;
-        const u8* a16 = (const u8*)((unsigned long long)a & ~15ull);
-        if (16 * j < (int)(a - a16) + n) cp_async16(d + r * pitch + 16 * j, a16 + 16 * j);
-    }
-}
-
 // Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), decoded (part_deq's decoders) and split into Ws (BM
 // rows), shift[r] each row's power of two; elements past n_in and rows past nrows are zero. Items are (row, part)
 // pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
-// raw (staged by stage_raw, pitch bytes a row): the chunk's blocks are read there instead of from w.
 template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
-                                           float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo,
-                                           const u8* raw, int pitch) {
+                                           float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
@@ -369,12 +316,7 @@ __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int
         float v[F::EPP];
         if (row < nrows && blk * F::QK < n_in) {
             float q[F::EPP], a[F::G], b[F::G];
-            const u8* src = w + (size_t)row * rb + (size_t)blk * F::BB;
-            if (raw != nullptr) {       // the row's bytes from its chunk's 16-byte-aligned start (stage_raw)
-                const u8* c0 = w + (size_t)row * rb + (size_t)(k0 / F::QK) * F::BB;
-                src = raw + row * pitch + ((unsigned long long)c0 & 15) + (blk - k0 / F::QK) * F::BB;
-            }
-            F::decode(src, p, q, a, b);
+            F::decode(w + (size_t)row * rb + (size_t)blk * F::BB, p, q, a, b);
 #pragma unroll
             for (int r = 0; r < RUNS; r++)
 #pragma unroll
@@ -408,10 +350,10 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
 // lo: the lo halves' offset from Ws, bytes (-1: Layout's, for a tile of BM rows; w_split's planes pass theirs)
 template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                      int* shift, bool wlo, int lo = -1, const u8* raw = nullptr, int pitch = 0) {
+                                      int* shift, bool wlo, int lo = -1) {
     if (lo < 0) lo = Layout<BK>::lo(BM);
 #define DEQ_Q(T, F)                                                                         \
-    case T: deq_tile_q<BK, F>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo, raw, pitch); return;
+    case T: deq_tile_q<BK, F>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
     switch (type) {
         case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
         case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
@@ -606,46 +548,25 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const int R1 = PAIR ? BM / 2 : BM, mrows = min(R1, n_out - m0);     // R1: the rows of w (the rest: w2's)
     const bool wcopy = GM_WG && GEMM_WPREP && !PAIR && wp != nullptr && (!glu || wp2 != nullptr);
     const bool xcopy = GM_WG && GEMM_XPREP && xp != nullptr;
-    // a decoding tile's staged weight bytes (GEMM_RAW_SPAN): w's rows then w2's, after the shifts, in two stages;
-    // gemm.py's smem_bytes counts them
-    const RawSpec f1 = wcopy ? NOT_STAGED : raw_spec<BK>(type);
-    const RawSpec f2 = wcopy || !(glu || PAIR) ? NOT_STAGED : raw_spec<BK>(type2);
-    const int pitch = raw_pitch(max(f1.span, f2.span)), rstage = (glu || PAIR ? 2 : 1) * R1 * pitch;
-    u8* raw = (u8*)(sh_x + BN);
-    auto issue_raw = [&](int k0, int st) {
-        u8* r = raw + st * rstage;
-        if (f1.span) stage_raw(w + (size_t)m0 * rb, rb, f1, k0, n_in, mrows, r, pitch);
-        if (f2.span) stage_raw(w2 + (size_t)m0 * rb2, rb2, f2, k0, n_in, mrows, r + R1 * pitch, pitch);
-    };
-    // chunk k0's weights and rows into shared memory; st: its raw stage
-    auto load = [&](int k0, int st) {
+    // chunk k0's weights and rows into shared memory
+    auto load = [&](int k0) {
         if (wcopy) {
             copy_planes<BK, BM>(wp, wp_rows, m0, k0, Ws, sh_w, wlo);
             if (glu) copy_planes<BK, BM>(wp2, wp_rows, m0, k0, Ws2, sh_w2, wlo);
         }
         if (xcopy) copy_planes<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, Xs, sh_x, true);
-        if (pitch) {
-            cp_async_commit();                      // this chunk's rows, and its weight bytes issued a chunk ago
-            if (k0 + BK < n_in) issue_raw(k0 + BK, st ^ 1);     // the next chunk's, in flight through this one
-            cp_async_commit();
-            cp_async_wait_pending<1>();
-            __syncthreads();
-        }
-        const u8* r1 = f1.span ? raw + st * rstage : nullptr;
-        const u8* r2 = f2.span ? raw + st * rstage + R1 * pitch : nullptr;
         if (PAIR) {                 // w's rows m0.. in the tile's first half, w2's in the second (never prepared)
-            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM / 2, sh_w, wlo, Layout<BK>::lo(BM),
-                         r1, pitch);
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM / 2, sh_w, wlo, Layout<BK>::lo(BM));
             deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in,
                          (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, sh_w + BM / 2, wlo,
-                         Layout<BK>::lo(BM), r2, pitch);
+                         Layout<BK>::lo(BM));
         } else if (!wcopy) {
-            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w, wlo, -1, r1, pitch);
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w, wlo);
             if (glu)
-                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2, wlo, -1, r2, pitch);
+                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2, wlo);
         }
         if (!xcopy) load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
-        if (!pitch && (wcopy || xcopy)) stage_wait();
+        if (wcopy || xcopy) stage_wait();
     };
 #if !GM_WG
     constexpr int RB = LD * 4;     // a row's bytes
@@ -664,9 +585,8 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
-    if (pitch) issue_raw(0, 0);
-    for (int k0 = 0, st = 0; k0 < n_in; k0 += BK, st ^= 1) {
-        load(k0, st);
+    for (int k0 = 0; k0 < n_in; k0 += BK) {
+        load(k0);
         wg_proxy_fence();
         __syncthreads();
 #if GM_WG

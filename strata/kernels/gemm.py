@@ -15,7 +15,7 @@ import numpy as np
 from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import I, Launch, P, need
 from strata.kernels.build import define
-from strata.kernels.gemv import BLOCKS, FLOAT_TYPES, _check_mat
+from strata.kernels.gemv import _check_mat
 from strata.quant.formats import QType
 
 THREADS = 128
@@ -74,29 +74,13 @@ def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
     return f"{kernel}_k{bk}{'_glu' if glu else ''}{narrow}"
 
 
-# gemm.cuh GEMM_RAW_SPAN: a decoding tile stages the next k-chunk's weight bytes in shared memory for formats whose
-# chunk is whole blocks of at most this many bytes a row (0, the default until a device call times it: none)
-RAW_SPAN = define("GEMM_RAW_SPAN", 0)
-
-
-def raw_pitch(qt: int, bk: int) -> int:
-    """Shared bytes a row of a decoding tile stages per k-chunk of bk (gemm.cuh raw_spec / raw_pitch): the chunk's
-    blocks from the 16-byte boundary before them, in whole 16-byte pieces; 0 for formats not staged."""
-    qt = QType(qt)
-    qk, bb, _ = BLOCKS[qt]
-    span = bk // qk * bb if qt not in FLOAT_TYPES and qk <= bk else 0
-    return (span + 30) // 16 * 16 if 0 < span <= RAW_SPAN else 0
-
-
-def smem_bytes(bk: int, bn: int, bm: int, glu: bool, types=()) -> int:
+def smem_bytes(bk: int, bn: int, bm: int, glu: bool) -> int:
     """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row, then the
-    rows' power-of-two shifts (two weight tiles' and the rows', int32), then two stages of staged weight bytes for
-    the tile's rows (both matrices' for GLU) at the largest raw_pitch of the weight `types`. One k-chunk of the tile
-    at a time: two (the next chunk decoded while the tensor cores read this one, 2 CTAs a multiprocessor) made a
-    4096-row chunk 15% slower on an H100 than 3 CTAs of one (bench/RESULTS.md, 2026-12-05 fifth session)."""
-    pitch = max([raw_pitch(t, bk) for t in types], default=0)
-    return (((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
-            + 2 * (2 if glu else 1) * bm * pitch)
+    rows' power-of-two shifts (two weight tiles' and the rows', int32). One k-chunk of the tile at a time: two (the
+    next chunk decoded while the tensor cores read this one, 2 CTAs a multiprocessor) made a 4096-row chunk 15%
+    slower on an H100 than 3 CTAs of one (bench/RESULTS.md, 2026-12-05 fifth session), and copying the next chunk's
+    weight bytes into shared memory while this one decodes 5% slower (sixth session)."""
+    return ((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
 
 # struct GemmJob (gemm.cu), 120 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
@@ -233,8 +217,7 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
         tiles += -(-j.w.n_out // bm)
-    types = [j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None]
-    return rows, tiles, smem_bytes(bk, bn, bm, glu, types), kernel_name(max_rows, bk, glu, n_out)
+    return rows, tiles, smem_bytes(bk, bn, bm, glu), kernel_name(max_rows, bk, glu, n_out)
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int,

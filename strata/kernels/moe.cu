@@ -299,12 +299,19 @@ extern "C" __global__ void __launch_bounds__(1024) combine_write_rms(
 // moe_group (one CTA of 1024 threads): for the step's rows (step[T]) and their k choices ids (rows, k), the pairs
 // whose expert has a VRAM slot (slot_of[e] >= 0; slot_of null: slot e, every expert resident) are counted per
 // expert, laid out expert by expert (pair_tok[p] = the pair's row, pair_of[row * k + j] = its pair p, -1 when the
-// host computes it) and cut into tiles of at most bn pairs: tiles[4 i] = {slot, first pair, pairs, 0}, *n_tiles.
+// host computes it) and cut into tiles: tiles[4 i] = {slot, first pair, pairs, plane row}, the plane row where
+// moe_split puts the tile's rows. An expert's c pairs make c / bn full tiles of bn pairs in the first list
+// (tiles[0 ..], n_tiles[0] of them); the rest, r = c % bn, one more tile there when r > bn2, else (0 < r <= bn2) a
+// tile in the second list (tiles[4 cap ..], n_tiles[1]), which the tiles of bn2 pairs take: a 128-pair tile costs
+// twice the multiplies of a 64-pair one, so an expert's last few pairs go to the narrower tile (moe.py tile_plan).
+// bn2 = 0: one list. Plane rows: the first list's tile i at i bn, the second's tile j at cap bn + j bn2.
 // The order of pairs inside an expert's group is the atomics' (each pair's result does not depend on it).
 extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restrict__ ids, const i32* __restrict__ slot_of,
                                                              const i32* __restrict__ step, i32* pair_tok, i32* pair_of,
-                                                             i32* tiles, i32* n_tiles, int n_exp, int k, int bn) {
-    __shared__ int cnt[1024], fill[1024], off[1024], toff[1024];
+                                                             i32* tiles, i32* n_tiles, int n_exp, int k, int bn,
+                                                             int bn2, int cap) {
+    __shared__ int cnt[1024], fill[1024];
+    __shared__ int wsum[3][32];
     pdl_begin();
     const int tid = threadIdx.x, n = step[STEP_T] * k;
     const int e = tid;
@@ -316,54 +323,64 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restri
         if (slot_of == nullptr || slot_of[x] >= 0) atomicAdd(&cnt[x], 1);
     }
     __syncthreads();
-    const int c = e < n_exp ? cnt[e] : 0, nt = (c + bn - 1) / bn;
-    // exclusive scans of the counts and of the tile counts (block_exscan of qsa.cu, here for both at once)
+    const int c = e < n_exp ? cnt[e] : 0, r = c % bn;
+    const int nw = c / bn + (r > bn2 ? 1 : 0), nn = r > 0 && r <= bn2 ? 1 : 0;
+    // exclusive scans of the pair counts and of both lists' tile counts (block_exscan of qsa.cu, three at once)
     const int lane = tid & 31, w = tid >> 5;
-    int a = c, b = nt;
+    int v[3] = {c, nw, nn};
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int ya = __shfl_up_sync(FULL_MASK, a, o), yb = __shfl_up_sync(FULL_MASK, b, o);
-        if (lane >= o) {
-            a += ya;
-            b += yb;
+    for (int o = 1; o < 32; o <<= 1)
+#pragma unroll
+        for (int q = 0; q < 3; q++) {
+            const int y = __shfl_up_sync(FULL_MASK, v[q], o);
+            if (lane >= o) v[q] += y;
         }
-    }
-    __shared__ int wa[32], wb[32];
-    if (lane == 31) {
-        wa[w] = a;
-        wb[w] = b;
-    }
-    __syncthreads();
-    if (w == 0) {
-        int sa = wa[lane], sb = wb[lane];
+    if (lane == 31)
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int ya = __shfl_up_sync(FULL_MASK, sa, o), yb = __shfl_up_sync(FULL_MASK, sb, o);
-            if (lane >= o) {
-                sa += ya;
-                sb += yb;
+        for (int q = 0; q < 3; q++) wsum[q][w] = v[q];
+    __syncthreads();
+    if (w == 0)
+#pragma unroll
+        for (int q = 0; q < 3; q++) {
+            int sq = wsum[q][lane];
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(FULL_MASK, sq, o);
+                if (lane >= o) sq += y;
             }
+            wsum[q][lane] = sq;
         }
-        wa[lane] = sa;
-        wb[lane] = sb;
-    }
     __syncthreads();
-    off[e] = (w > 0 ? wa[w - 1] : 0) + a - c;
-    toff[e] = (w > 0 ? wb[w - 1] : 0) + b - nt;
-    if (tid == blockDim.x - 1) *n_tiles = toff[e] + nt;
-    const int slot = e < n_exp ? (slot_of == nullptr ? e : slot_of[e]) : -1;
-    for (int q = 0; q < nt; q++) {
-        i32* tq = tiles + 4 * (toff[e] + q);
-        tq[0] = slot;
-        tq[1] = off[e] + q * bn;
-        tq[2] = min(bn, c - q * bn);
-        tq[3] = 0;
+    int ex[3];
+#pragma unroll
+    for (int q = 0; q < 3; q++) ex[q] = (w > 0 ? wsum[q][w - 1] : 0) + v[q];     // inclusive
+    const int off = ex[0] - c, tw = ex[1] - nw, tn = ex[2] - nn;
+    if (tid == blockDim.x - 1) {
+        n_tiles[0] = ex[1];
+        n_tiles[1] = ex[2];
     }
+    const int slot = e < n_exp ? (slot_of == nullptr ? e : slot_of[e]) : -1;
+    for (int q = 0; q < nw; q++) {
+        i32* tq = tiles + 4 * (tw + q);
+        tq[0] = slot;
+        tq[1] = off + q * bn;
+        tq[2] = min(bn, c - q * bn);
+        tq[3] = (tw + q) * bn;
+    }
+    if (nn) {
+        i32* tq = tiles + 4 * (cap + tn);
+        tq[0] = slot;
+        tq[1] = off + c - r;
+        tq[2] = r;
+        tq[3] = cap * bn + tn * bn2;
+    }
+    __shared__ int offs[1024];
+    offs[e] = off;
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) {
         const int x = ids[i];
         if (slot_of == nullptr || slot_of[x] >= 0) {
-            const int p = off[x] + atomicAdd(&fill[x], 1);
+            const int p = offs[x] + atomicAdd(&fill[x], 1);
             pair_tok[p] = i / k;
             pair_of[i] = p;
         } else {
@@ -373,8 +390,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restri
 }
 
 // The rows of each expert tile split once for all its M tiles (gemm.py GEMM_XPREP; x_split of gemm.cu, per tile):
-// tile i's rows (x[xrow[p]] for its pairs p when xrow is set, else x[p]) into plane rows [i BN, i BN + BN) of xs's
-// k-chunk blockIdx.y, zeros past its pairs. grid (max tiles, chunks); tiles past *n_tiles do nothing.
+// tile i's rows (x[xrow[p]] for its pairs p when xrow is set, else x[p]) into plane rows [b, b + BN) of xs's
+// k-chunk blockIdx.y, b its plane row (moe_group), zeros past its pairs. grid (max tiles, chunks); tiles past *n_tiles do nothing.
 template <int BK, int BN>
 __device__ __forceinline__ void moe_split_body(const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,
                                                const float* __restrict__ x, int ldx, int n_in,
@@ -382,10 +399,10 @@ __device__ __forceinline__ void moe_split_body(const i32* __restrict__ tiles, co
     pdl_begin();
     const int i = blockIdx.x;
     if (i >= *n_tiles) return;
-    const int p0 = tiles[4 * i + 1], np_ = tiles[4 * i + 2];
+    const int p0 = tiles[4 * i + 1], np_ = tiles[4 * i + 2], b = tiles[4 * i + 3];
     const XsChunk<BK> c(xs, xs_rows, (int)blockIdx.y);
     load_x<BK, BN>(xrow != nullptr ? x : x + (size_t)p0 * ldx, ldx, xrow != nullptr ? xrow + p0 : nullptr, 0, np_,
-                   (int)blockIdx.y * BK, n_in, (float*)c.hi(i * BN), c.shift(i * BN), (int)c.plane);
+                   (int)blockIdx.y * BK, n_in, (float*)c.hi(b), c.shift(b), (int)c.plane);
 }
 
 // h[p] = silu(gate_s x[pair_tok[p]]) * (up_s x[pair_tok[p]]) for the pairs p of tile blockIdx.y (expert slot s);
@@ -404,7 +421,7 @@ __device__ __forceinline__ void moe_gu_body(const MoeJob* __restrict__ job, cons
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
     gemm_tile<!PAIR, BK, MT, NT, WM, WN, PAIR>(J.g_base + slot * J.g_stride, J.u_base + slot * J.u_stride, J.type_g,
                               J.type_u, J.rb_g, J.rb_u, J.E, J.F, (int)blockIdx.x * OM, x, J.E, pair_tok + p0, np_, 0,
-                              h + (size_t)p0 * J.Fp, J.Fp, xs, xs_rows, (int)blockIdx.y * WN * NT * 8);
+                              h + (size_t)p0 * J.Fp, J.Fp, xs, xs_rows, tq[3]);
 }
 
 // out[p] = down_s h[p]; grid (ceil(E / BM), max tiles). out (pairs, E); xs as moe_gu's.
@@ -420,7 +437,7 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
     const int slot = tq[0], p0 = tq[1], np_ = tq[2];
     gemm_tile<false, BK, MT, NT, WM, WN>(J.d_base + slot * J.d_stride, nullptr, J.type_d, 0, J.rb_d, 0, J.F, J.E,
                               (int)blockIdx.x * BM, h + (size_t)p0 * J.Fp, J.Fp, nullptr, np_, 0,
-                              out + (size_t)p0 * J.E, J.E, xs, xs_rows, (int)blockIdx.y * WN * NT * 8);
+                              out + (size_t)p0 * J.E, J.E, xs, xs_rows, tq[3]);
 }
 
 // tiles of 16, 64 or 128 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128

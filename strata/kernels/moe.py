@@ -248,26 +248,50 @@ def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArr
 # gate/up as gemm.cuh's paired GLU tile: each weight decoded once per 128 pairs instead of once per 64) instead of 64.
 # A build define so that a same-call comparison can move it (a large value keeps every step at 64).
 WIDE_PAIRS = define("MOE_WIDE_PAIRS", 64)
+# MOE_NARROW_LAST=1: with 128-pair tiles, an expert's last tile of at most 64 pairs is a 64-pair tile instead (moe.cu
+# moe_group's second list). Calibrated routing spreads a 4096-row chunk's pairs from 0 to ~570 an expert (median
+# ~53): 128-pair tiles alone cost 39% more multiplies than 64-pair ones there, 64-pair tiles alone decode the hot
+# experts' weights 2-9 times; the two lists decode no more than the first and multiply no more than the second.
+NARROW_LAST = define("MOE_NARROW_LAST", 1)
 
 
-def tile_bn(max_rows: int, k: int, n_expert: int) -> int:
+@dataclass(frozen=True)
+class TilePlan:
+    """A step's expert tiles (moe.cu moe_group): tiles of `bn` pairs in the first list (at most `cap`), and with
+    `bn2` > 0 an expert's last tile of at most bn2 pairs in a second list of bn2-pair tiles (at most `cap2`)."""
+    bn: int
+    cap: int
+    bn2: int = 0
+    cap2: int = 0
+
+    @property
+    def plane_rows(self) -> int:
+        """The rows of the tiles' split planes (gemm.py XPREP): the first list's tile i at i bn, the second's after."""
+        return self.cap * self.bn + self.cap2 * self.bn2
+
+    @property
+    def lists(self) -> tuple[tuple[int, int, int], ...]:
+        """(pairs a tile, the list's first tile in the tile table, its capacity) per list."""
+        return ((self.bn, 0, self.cap),) + (((self.bn2, self.cap, self.cap2),) if self.bn2 else ())
+
+
+def tile_plan(max_rows: int, k: int, n_expert: int) -> TilePlan:
     """Pairs per expert tile: 16 while the step's pairs per expert are few, 64 for longer steps, 128 for long chunks
-    (WIDE_PAIRS pairs an expert on average)."""
+    (WIDE_PAIRS pairs an expert on average), their last tiles of <= 64 pairs at 64 (NARROW_LAST). Capacities: every
+    used expert's partial tile plus the full ones; with two lists a first-list tile holds > bn2 pairs."""
     pairs = max_rows * k
-    return 16 if pairs <= 16 * n_expert else 128 if pairs >= WIDE_PAIRS * n_expert else 64
-
-
-def max_tiles(max_rows: int, k: int, n_expert: int, bn: int) -> int:
-    """Tiles of a step at most: every used expert's partial tile plus the full ones."""
-    pairs = max_rows * k
-    return min(n_expert, pairs) + pairs // bn
+    bn = 16 if pairs <= 16 * n_expert else 128 if pairs >= WIDE_PAIRS * n_expert else 64
+    cap = min(n_expert, pairs) + pairs // bn
+    if bn == 128 and NARROW_LAST:
+        return TilePlan(bn, min(cap, pairs // 65), 64, min(n_expert, pairs))
+    return TilePlan(bn, cap)
 
 
 def group_launch(fn, name: str, cfg: ModelConfig, ids: DevArray, slot_of: DevArray | None, step: DevArray,
                  pair_tok: DevArray, pair_of: DevArray, tiles: DevArray, n_tiles: DevArray, rows: int,
-                 bn: int) -> Launch:
+                 plan: TilePlan) -> Launch:
     """The step's pairs grouped by expert (slot_of: the layer's VRAM slot per expert, -1 on the host; None: all
-    resident, slot = expert id) and cut into tiles of bn pairs."""
+    resident, slot = expert id) and cut into the plan's tiles: tiles (4 (cap + cap2)), n_tiles (2: each list's)."""
     n, k = cfg.n_expert, cfg.n_expert_used
     if n > MAX_EXPERTS:
         raise ValueError(f"{name}: {n} experts; the grouping kernel takes <= {MAX_EXPERTS}")
@@ -277,27 +301,28 @@ def group_launch(fn, name: str, cfg: ModelConfig, ids: DevArray, slot_of: DevArr
     need(step, name + " step", 8, np.int32)
     need(pair_tok, name + " pair rows", rows * k, np.int32)
     need(pair_of, name + " pair of", rows * k, np.int32)
-    need(tiles, name + " tiles", 4 * max_tiles(rows, k, n, bn), np.int32)
-    need(n_tiles, name + " tile count", 1, np.int32)
+    need(tiles, name + " tiles", 4 * (plan.cap + plan.cap2), np.int32)
+    need(n_tiles, name + " tile counts", 2, np.int32)
     return Launch(fn, name, (1,), (1024,), 0,
-                  [P(ids), P(slot_of), P(step), P(pair_tok), P(pair_of), P(tiles), P(n_tiles), I(n), I(k), I(bn)])
+                  [P(ids), P(slot_of), P(step), P(pair_tok), P(pair_of), P(tiles), P(n_tiles), I(n), I(k),
+                   I(plan.bn), I(plan.bn2), I(plan.cap)])
 
 
-def split_plan(cfg: ModelConfig, bank: ExpertBank, rows: int, bn: int) -> tuple[tuple[int, int, int], ...]:
+def split_plan(cfg: ModelConfig, bank: ExpertBank, plan: TilePlan) -> tuple[tuple[int, int, int], ...]:
     """The x_split buffers a step's expert tiles take (gemm.py XPREP): (n_in, k-chunk, plane rows) for the gate/up
-    input and the down input; their tiles' rows at plane row tile * bn."""
+    input and the down input; each tile's rows at its plane row (TilePlan.plane_rows)."""
     from strata.kernels.gemm import chunk_k
-    nr = max_tiles(rows, cfg.n_expert_used, cfg.n_expert, bn) * bn
+    nr = plan.plane_rows
     return ((cfg.n_embd, chunk_k([bank.gate.qtype, bank.up.qtype]), nr), (cfg.n_ff_exp, chunk_k([bank.down.qtype]), nr))
 
 
 def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank, tiles: DevArray,
                      n_tiles: DevArray, x: DevArray, pair_tok: DevArray, h: DevArray, out: DevArray, rows: int,
-                     bn: int, splits=None) -> tuple[Launch, ...]:
-    """(gate/up GLU, down) over the step's expert tiles; uploads the layer's MoeJob into `job`.
-    x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name) -> the function. splits: gemm.py XSplit buffers
-    for the two inputs (split_plan's): then each GEMM's tiles read their rows split once by a moe_split launch
-    ahead of it, (split, gate/up, split, down)."""
+                     plan: TilePlan, splits=None) -> tuple[Launch, ...]:
+    """The gate/up GLU launches, then the down launches, over the step's expert tiles, one of each per tile list of
+    the plan; uploads the layer's MoeJob into `job`. x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name)
+    -> the function. splits: gemm.py XSplit buffers for the two inputs (split_plan's): then each GEMM's tiles read
+    their rows split once by moe_split launches ahead of it (splits, gate/ups, splits, downs)."""
     from strata.kernels.gemm import smem_bytes, tile_bm, xsplit_bytes
     k, E, Fn, Fp = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, padded_ff(cfg)
     row = moe_job_row(cfg, bank)
@@ -306,14 +331,13 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
     need(pair_tok, name + " pair rows", rows * k, np.int32)
     need(h, name + " h", rows * k * Fp)
     need(out, name + " out", rows * k * E)
+    need(tiles, name + " tiles", 4 * (plan.cap + plan.cap2), np.int32)
+    need(n_tiles, name + " tile counts", 2, np.int32)
     job.upload(row.view(np.uint8))
-    nt = max_tiles(rows, k, cfg.n_expert, bn)
-    plan = split_plan(cfg, bank, rows, bn)
-    (_, kg, _), (_, kd, _) = plan                      # the two GEMMs' k-chunks
-    bg, bd = tile_bm(bn, True), tile_bm(bn, False)     # moe.cu's tile heights (its down tiles: always the wide ones)
-    pair = bn == 128        # the gate/up tiles: paired GLU (one accumulator set), bg / 2 outputs a CTA (moe.cu)
+    sp_plan = split_plan(cfg, bank, plan)
+    (_, kg, _), (_, kd, _) = sp_plan                    # the two GEMMs' k-chunks
     xs_gu, xs_dn = splits if splits is not None else (None, None)
-    for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), plan):
+    for xs, (n_in, bk, nr) in zip((xs_gu, xs_dn), sp_plan):
         if xs is None:
             continue
         if (xs.n_in, xs.bk) != (n_in, bk) or xs.max_rows < nr:
@@ -321,18 +345,31 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
                              f"tiles need {n_in}, {bk}, {nr}")
         need(xs.buf, name + " split", xsplit_bytes(n_in, bk, xs.max_rows), np.uint8)
     sp = lambda xs: (P(xs.buf), I(xs.rows)) if xs is not None else (P(None), I(0))
-    gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up", (-(-Fn // (bg // 2 if pair else bg)), nt), (128,),
-                smem_bytes(kg, bn, bg, not pair, (bank.gate.qtype, bank.up.qtype)),
-                [P(job), P(tiles), P(n_tiles), P(x), P(pair_tok), P(h), *sp(xs_gu)])
-    dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down", (-(-E // bd), nt), (128,),
-                smem_bytes(kd, bn, bd, False, (bank.down.qtype,)),
-                [P(job), P(tiles), P(n_tiles), P(h), P(out), *sp(xs_dn)])
+
+    def one_list(bn: int, first: int, cap: int) -> tuple[Launch | None, Launch, Launch | None, Launch]:
+        """A tile list's (gate/up split, gate/up, down split, down); the splits None without splits."""
+        sfx = "" if first == 0 else f".{bn}"
+        tl = tiles.view(f"list{first}", 16 * first, (4 * cap,), np.int32)
+        nl = n_tiles.view(f"count{first}", 4 if first else 0, (1,), np.int32)
+        bg, bd = tile_bm(bn, True), tile_bm(bn, False)  # moe.cu's tile heights (its down tiles: always the wide ones)
+        pair = bn == 128    # the gate/up tiles: paired GLU (one accumulator set), bg / 2 outputs a CTA (moe.cu)
+        gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up" + sfx, (-(-Fn // (bg // 2 if pair else bg)), cap),
+                    (128,), smem_bytes(kg, bn, bg, not pair), [P(job), P(tl), P(nl), P(x), P(pair_tok), P(h),
+                                                               *sp(xs_gu)])
+        dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down" + sfx, (-(-E // bd), cap), (128,),
+                    smem_bytes(kd, bn, bd, False), [P(job), P(tl), P(nl), P(h), P(out), *sp(xs_dn)])
+
+        def split(xs, src: DevArray, ld: int, xrow: DevArray | None, what: str) -> Launch:
+            return Launch(fn_of(f"moe_split{bn}_k{xs.bk}"), f"{name}.{what}_split{sfx}", (cap, -(-xs.n_in // xs.bk)),
+                          (128,), 0, [P(tl), P(nl), P(src), I(ld), I(xs.n_in), P(xrow), P(xs.buf), I(xs.rows)])
+        if splits is None:
+            return None, gu, None, dn
+        return split(xs_gu, x, E, pair_tok, "gate_up"), gu, split(xs_dn, h, Fp, None, "down"), dn
+
+    split_gu, gus, split_dn, dns = zip(*(one_list(*lst) for lst in plan.lists))
     if splits is None:
-        return gu, dn
-    split = lambda xs, src, ld, xrow, what: Launch(
-        fn_of(f"moe_split{bn}_k{xs.bk}"), f"{name}.{what}_split", (nt, -(-xs.n_in // xs.bk)), (128,), 0,
-        [P(tiles), P(n_tiles), P(src), I(ld), I(xs.n_in), P(xrow), P(xs.buf), I(xs.rows)])
-    return split(xs_gu, x, E, pair_tok, "gate_up"), gu, split(xs_dn, h, Fp, None, "down"), dn
+        return (*gus, *dns)
+    return (*split_gu, *gus, *split_dn, *dns)
 
 
 def combine_rows_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, pair_of: DevArray, gpu_out: DevArray,
