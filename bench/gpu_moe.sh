@@ -5,7 +5,8 @@
 # a 4096-row chunk, flash geometry, realistic skew), and with MODEL set a 4096-row prefill chunk of that file (made
 # first when missing, while the tests run). NCU=1: Nsight Compute on the first variant's expert GEMMs
 # (bench/gpu_ncu.sh moe) at the end. FIRST_TESTS_ONLY=1: the tests in the first build only; KTESTS="not zzz": every
-# kernel test, not only the GEMM ones; GEMM_ROWS=512,4096: bench_gemm.py at those rows per variant too. Logs
+# kernel test, not only the GEMM ones; GEMM_ROWS=512,4096: bench_gemm.py at those rows per variant too;
+# CHUNK_TOKENS: the prompt each chunk figure feeds (default 8192: one chunk timed after the warm-up). Logs
 # (moe_<n>.log, gemm_<n>.log, prefill_<n>.log, backend.log, ncu_moe.txt) come back as $OUT/moe_logs.tgz.
 #   VARIANTS=";MOE_NARROW_LAST=0;MOE_WIDE_PAIRS=100000" MODEL=models/flash-realistic.gguf bash bench/gpu_moe.sh
 set -o pipefail
@@ -40,7 +41,7 @@ if [ -n "${MODEL:-}" ]; then
     for i in "${!variants[@]}"; do
         export STRATA_KERNEL_DEFINES="${variants[$i]}"
         echo "== chunk, defines: '${variants[$i]}' (at ${SECONDS} s)"
-        timeout "${PREFILL_S:-150}" python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 --tokens 8192 \
+        timeout "${PREFILL_S:-150}" python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 --tokens "${CHUNK_TOKENS:-8192}" \
             > "$out/prefill_${i}.log" 2>&1
         grep -E "^chunk|experts|Error" "$out/prefill_${i}.log"
     done
