@@ -439,8 +439,11 @@ def main() -> None:
     m = load_model(model)
     ptb = per_token_bytes(m)
     bw = host_bandwidth()
-    commit = os.environ.get("STRATA_COMMIT") or subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # "+changes" when the tracked files differ from HEAD: a copy of a working tree (the GPU machine's) may carry an
+    # older .git than its files, and the bare commit would name a tree that did not run
+    git = lambda *args: subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("STRATA_COMMIT") or (git("rev-parse", "--short", "HEAD")
+                                                 + ("+changes" if git("status", "--porcelain", "-uno") else ""))
     print(f"# {a.config} | model {Path(model).name} ({m.file.size / 2**30:.2f} GiB) | {platform.processor() or ''} "
           f"{os.cpu_count()} cores | {time.strftime('%Y-%m-%d')} | commit {commit}")
     print(f"# host read bandwidth {bw:.1f} GB/s; strata bytes/token {ptb['total'] / 2**20:.1f} MiB -> floor "

@@ -7,6 +7,9 @@
 #   bash bench/build_llama.sh          (JOBS=N compile jobs, default one per core)
 # Built elsewhere (a machine with nvcc 13.0 but without the GPU machine's CPU), name the GPU host's instructions:
 #   CPU=spr bash bench/build_llama.sh  (Sapphire Rapids: AVX-512 with VNNI and BF16, AMX; not this CPU's native set)
+# A toolkit without cuBLAS or a GPU driver needs both where CMake looks: the nvidia-cublas 13.0 wheel's headers and
+# libraries linked into its include/ and lib64/, and a libcuda stub in lib64/stubs (every cu* function of cuda.h as
+# an empty function, soname libcuda.so.1; the GPU machine's driver replaces it at run time). ~25 min on 2 cores.
 set -o pipefail
 cd "$(dirname "$0")/.."
 src=/tmp/llama-src build=/tmp/llama-build
