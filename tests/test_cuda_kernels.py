@@ -1055,10 +1055,13 @@ def test_combine_rows(rig, hc):
 # ---- PLE ---------------------------------------------------------------------------------------------------
 
 @both_rigs
-def test_ple_mix(rig):
-    """ple_mix over 12 tokens (the 9-row history wraps) against ple_block, key/value projections from numpy."""
+def test_ple_block(rig):
+    """The PLE block (ple_gate, ple_conv, ple_hist) over 12 tokens fed one row a step, then in steps of 5, 1 and 6
+    rows, then all 12 at once (the 9-row history wraps; a step's taps read both its own rows and the history)
+    against ple_block with key/value projections from numpy, every row; the steps of several rows bit for bit the
+    rows one at a time."""
     rng = np.random.default_rng(9)
-    hc, E = 3, 130
+    hc, E, n = 3, 130, 12
     cfg = cfg_tiny(n_embd=E, hc=hc, ple_layers=(1,), ple_ngram=3, ple_heads_per_ngram=2, ple_conv=4, ple_eos=5,
                    ple_row=20, ple_multipliers=(1, 2, 3), ple_offsets=(0, 10, 20, 30), ple_vocab_sizes=(10,) * 4)
     C, P = cfg.hc_dim, cfg.ple_dim
@@ -1067,23 +1070,39 @@ def test_ple_mix(rig):
                         ple_value=(rng.standard_normal((E, P)) / np.sqrt(P)).astype(F32),
                         ple_norm_key=nrm(), ple_norm_query=nrm(), ple_norm_conv=nrm(),
                         ple_conv1d=(0.5 * rng.standard_normal((C, cfg.ple_conv))).astype(F32))
-    st = PleState.start(cfg)
-    R, key, value = rig.buf("R", (hc, E)), rig.buf("key", (C,)), rig.buf("value", (E,))
-    norms = [rig.buf(n, (hc, E), value=getattr(w, n)) for n in ("ple_norm_key", "ple_norm_query", "ple_norm_conv")]
+    es = rng.standard_normal((n, P)).astype(F32)
+    Rs = rng.standard_normal((n, hc, E)).astype(F32)
+    keys, values = es @ w.ple_key.T, es @ w.ple_value.T          # once: numpy's matmul rounds by its shapes
+    R, key, value = rig.buf("R", (n, hc, E)), rig.buf("key", (n, C)), rig.buf("value", (n, E))
+    gate = rig.buf("gate", (n, hc))
+    norms = [rig.buf(m, (hc, E), value=getattr(w, m)) for m in ("ple_norm_key", "ple_norm_query", "ple_norm_conv")]
     cw, hist, step = (rig.buf("conv", (C, cfg.ple_conv), value=w.ple_conv1d), rig.buf("hist", (cfg.ple_hist, C)),
                       rig.buf("step", (STEP_N,), np.int32))
     rig.commit()
-    launch = kple.ple_mix_launch(rig.k.fn("ple", "ple_mix"), "ple", cfg, R, key, value, *norms, cw, hist, step)
-    for t in range(12):
-        e = rng.standard_normal(P).astype(F32)
-        Rv = rng.standard_normal((hc, E)).astype(F32)
-        R.upload(Rv)
-        key.upload(w.ple_key @ e)
-        value.upload(w.ple_value @ e)
-        step.upload(step_words(pos=t))
-        rig.run(launch)
-        ref = ple_block(cfg, as_rows(w, "ple_key", "ple_value"), [(st, 0, 1)], Rv[None], e[None])[0]
-        assert rel(R.download(), ref) <= TOL, f"t={t}"
+    launches = kple.ple_launches(lambda k: rig.k.fn("ple", k), "ple", cfg, R, key, value, gate, *norms, cw, hist,
+                                 step, n)
+    pad = lambda a, T: np.concatenate([a, np.zeros((n - T, *a.shape[1:]), F32)])
+
+    def run(chunks) -> np.ndarray:
+        hist.upload(np.zeros((cfg.ple_hist, C), F32))           # a fresh sequence
+        st, got, t = PleState.start(cfg), [], 0
+        for T in chunks:
+            e, Rv = es[t:t + T], Rs[t:t + T]
+            R.upload(pad(Rv, T))
+            key.upload(pad(keys[t:t + T], T))
+            value.upload(pad(values[t:t + T], T))
+            step.upload(step_words(pos=t, rows=T))
+            rig.run(*launches)
+            ref = ple_block(cfg, as_rows(w, "ple_key", "ple_value"), [(st, 0, T)], Rv, e)
+            out = R.download()[:T]
+            for r in range(T):
+                assert rel(out[r], ref[r]) <= TOL, f"steps {chunks}: t={t + r}"
+            got.append(out)
+            t += T
+        return np.concatenate(got)
+    one = run((1,) * n)
+    for chunks in ((5, 1, 6), (n,)):
+        assert np.array_equal(run(chunks), one), f"steps of {chunks} rows differ from one row a step"
 
 
 # ---- GEMM (the batched step): every format against float64 and against the GEMV row by row ---------------

@@ -349,6 +349,7 @@ class CudaBackend:
             self.b_ple_e = R("ple_e", (cfg.ple_dim,))          # the host's gathered rows, from pinned staging
             self.b_ple_key = R("ple_key_raw", (cfg.hc_dim,))
             self.b_ple_value = R("ple_value", (E,))
+            self.b_ple_gate = R("ple_gate", (cfg.hc,))
             self.b_ple_hist = R("ple_hist", (cfg.ple_hist, cfg.hc_dim))
             self.state.append(self.b_ple_hist)
         for il in range(cfg.n_layer):
@@ -595,9 +596,9 @@ class CudaBackend:
                     _Later(lambda: CopyH2D("PLE vector", self.b_ple_e, self.h_ple.ptr, 4 * cfg.ple_dim)),
                     gemv(p + "ple_proj", [Job(d["ple_key"], self.b_ple_e, self.b_ple_key),
                                           Job(d["ple_value"], self.b_ple_e, self.b_ple_value)]),
-                    _Later(kple.ple_mix_launch, K.fn("ple", "ple_mix"), p + "ple_mix", cfg, self.b_R, self.b_ple_key,
-                           self.b_ple_value, d["ple_norm_key"], d["ple_norm_query"], d["ple_norm_conv"],
-                           d["ple_conv1d"], self.b_ple_hist, self.b_step)]))
+                    _Later(kple.ple_launches, lambda n: K.fn("ple", n), p + "ple", cfg, self.b_R, self.b_ple_key,
+                           self.b_ple_value, self.b_ple_gate, d["ple_norm_key"], d["ple_norm_query"],
+                           d["ple_norm_conv"], d["ple_conv1d"], self.b_ple_hist, self.b_step)]))
             read = [_Later(khc.rms_group_launch, K.fn("hc", "rms_group"), p + "attn_norm", self.b_R,
                            d["hc_attn_norm"], self.b_xn, hc, E, eps)] if il in cfg.ple_layers else []
             read += [gemv(p + "attn_down_inject", [Job(d["hc_attn_down"], self.b_xn, self.b_lo),

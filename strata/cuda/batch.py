@@ -129,6 +129,7 @@ class BatchPath:
             self.ple_e = R("b.ple_e", (Tm, cfg.ple_dim))
             self.ple_key = R("b.ple_key_raw", (Tm, cfg.hc_dim))
             self.ple_value = R("b.ple_value", (Tm, E))
+            self.ple_gate = R("b.ple_gate", (Tm, cfg.hc))
         self._xsplits: dict = {}
         # x split once per launch where the tiles can copy it: Hopper's wgmma tile (gemm.py XPREP)
         self.xprep = bool(kgemm.XPREP) and be.dev.arch == 90
@@ -255,8 +256,8 @@ class BatchPath:
                     k(lambda rows: CopyH2D("PLE rows", self.ple_e, be.h_ple.ptr, 4 * rows * cfg.ple_dim)),
                     self._gemm(p + "ple_proj", [GemmJob(d["ple_key"], self.ple_e, self.ple_key),
                                                 GemmJob(d["ple_value"], self.ple_e, self.ple_value)]),
-                    k(lambda rows, d=d, p=p: kple.ple_mix_launch(
-                        K.fn("ple", "ple_mix"), p + "ple_mix", cfg, self.R, self.ple_key, self.ple_value,
+                    k(lambda rows, d=d, p=p: kple.ple_launches(
+                        lambda n: K.fn("ple", n), p + "ple", cfg, self.R, self.ple_key, self.ple_value, self.ple_gate,
                         d["ple_norm_key"], d["ple_norm_query"], d["ple_norm_conv"], d["ple_conv1d"], be.b_ple_hist,
                         step, rows)),
                     k(lambda rows, d=d, p=p: khc.rms_group_launch(K.fn("hc", "rms_group"), p + "attn_norm", self.R,
