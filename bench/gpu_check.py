@@ -12,6 +12,8 @@ qsa       QSA attention (qsa_attn + qsa_combine) at the flash heads: a 4096-row 
           two positions and one decode row, ms and fp32 TFLOP/s (phase_qsa)
 gdn       the chunk's GDN core at the flash heads (16 key heads, 48 value heads of 128): gdn_conv, gdn_prep,
           gdn_scan and gdn_out over a 4096-row chunk, ms each (phase_gdn)
+ple       the PLE block at the flash geometry over a 4096-row chunk and one decode row: ple_gate, ple_conv, ple_hist,
+          ms each (phase_ple)
 moe       the chunk's routed experts at the flash geometry (512 experts top-10, Q2_0, realistic skew): moe_group and
           each grouped launch over a 4096-row chunk, ms and TFLOP/s each (phase_moe)
 mapped    one layer's expert kernels of a mapped decode token with 0, 1, 2, 5, 10 of its 10 experts read from pinned
@@ -404,6 +406,44 @@ def phase_gdn(rows: int = 4096) -> None:
     RESULTS.setdefault("gdn", []).append({"defines": defines, "rows": rows, "ms": out})
 
 
+def phase_ple(rows: int = 4096, preset: str = "flash") -> None:
+    """The PLE block at a preset's geometry (flash: 4 streams of 2560, a conv of 4 taps at dilation 3) over a chunk
+    of `rows` and over one decode row (random inputs, a history carried across the replays): ple_gate, ple_conv,
+    ple_hist, each the median ms of 15 replays of its own captured graph."""
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena
+    from strata.kernels import Kernels
+    from strata.kernels import ple as kple
+    from strata.model.synth import preset_config
+    cfg = preset_config(preset)
+    hc, E, C = cfg.hc, cfg.n_embd, cfg.hc_dim
+    dev = drv.Device.open()
+    kern = Kernels(dev.arch)
+    stream = drv.Stream()
+    rng = np.random.default_rng(6)
+    A = Arena()
+    bufs = {n: A.reserve(n, shape) for n, shape in (
+        ("R", (rows, C)), ("key", (rows, C)), ("value", (rows, E)), ("gate", (rows, hc)), ("nk", (C,)), ("nq", (C,)),
+        ("nc", (C,)), ("conv_w", (C, cfg.ple_conv)), ("hist", (cfg.ple_hist, C)))}
+    step = A.reserve("step", (16,), np.int32)
+    A.commit()
+    for b in bufs.values():
+        b.upload(rng.standard_normal(b.shape).astype(np.float32))
+    b, out = bufs, {}
+    for T in (rows, 1):
+        w = np.zeros(16, np.int32)
+        w[1], w[3], w[4] = 8192, T, 1
+        step.upload(w)
+        launches = kple.ple_launches(lambda n: kern.fn("ple", n), "ple", cfg, b["R"], b["key"], b["value"],
+                                     b["gate"], b["nk"], b["nq"], b["nc"], b["conv_w"], b["hist"], step, T)
+        out.update({f"{l.name.split('.')[1]} {T}": graph_ms(f"ple {l.name}", stream, [l]) for l in launches})
+        out[f"all {T}"] = graph_ms("ple", stream, list(launches))
+    say(f"ple {rows} rows and 1: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
+    A.free()
+    stream.destroy()
+    RESULTS.setdefault("ple", []).append({"rows": rows, "ms": out})
+
+
 def phase_qsa() -> None:
     """QSA attention (qsa_attn + qsa_combine) at the flash heads (24 query heads of 256, 2 kv heads, a budget of
     2048 cells): a 4096-row prefill chunk at positions 4096 and 28672 (every query past the budget: 512 selected
@@ -767,6 +807,8 @@ def main() -> None:
                 phase_qsa()
             elif p == "gdn":
                 phase_gdn()
+            elif p == "ple":
+                phase_ple()
             elif p == "mapped":
                 phase_mapped()
             elif p == "moe":
@@ -778,7 +820,8 @@ def main() -> None:
             elif p == "profile":
                 phase_profile(a.tokens)
             else:
-                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, gdn, moe, mapped, model, bench, profile")
+                raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, gdn, ple, moe, mapped, model, bench, "
+                                 "profile")
             say(f"phase {p} done in {time.time() - t0:.0f}s")
     finally:
         out = os.environ.get("OUT")

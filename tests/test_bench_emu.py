@@ -63,3 +63,14 @@ def test_gpu_check_moe(emulated, monkeypatch, capsys):
     assert re.search(r"moe 40 rows top-8 of 64, .*tiles of 16 pairs", out), out
     names = re.findall(r"(\w+) [\d.]+ ms", out.splitlines()[-1])
     assert names == ["moe_group", "gate_up_split", "gate_up", "down_split", "down", "all", "gate_up", "down"], out
+
+
+def test_gpu_check_ple(emulated, monkeypatch, capsys):
+    """gpu_check.py's ple phase (the PLE block's three launches timed one by one, at a chunk and at one row) at
+    the small preset's geometry."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+    gpu_check.phase_ple(rows=24, preset="small")
+    out = capsys.readouterr().out
+    names = re.findall(r"(\w+ \d+) [\d.]+ ms", out.splitlines()[-1])
+    assert names == ["gate 24", "conv 24", "hist 24", "all 24", "gate 1", "conv 1", "hist 1", "all 1"], out
