@@ -191,6 +191,22 @@ def graph_ms(label: str, stream, launches) -> float:
     return float(np.median(times))
 
 
+def phase_rig(seed: int):
+    """(kernels, stream, rng, arena, arch) of a phase that times launches on this machine's GPU."""
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena
+    from strata.kernels import Kernels
+    arch = drv.Device.open().arch
+    return Kernels(arch), drv.Stream(), np.random.default_rng(seed), Arena(), arch
+
+
+def step_block(pos: int, rows: int) -> np.ndarray:
+    """The step block (common.cuh) of a step of `rows` rows from position `pos`, one logit row."""
+    w = np.zeros(16, np.int32)
+    w[1], w[3], w[4] = pos, rows, 1
+    return w
+
+
 def sweep_geoms(n_out: int, rb: int, halves: int, xq: int):
     """Every GEMV geometry whose tile ring (and xq bytes of x limbs) leave room for 2 CTAs a multiprocessor."""
     from strata.kernels.gemv import CTA_THREADS, Geom, tile_fits
@@ -356,19 +372,12 @@ def phase_gemv(sweep: bool = False, once: bool = False) -> None:
 def phase_gdn(rows: int = 4096) -> None:
     """The batched GDN core at the flash heads over a chunk of `rows` (random inputs, a state carried across the
     replays): gdn_conv, gdn_prep, gdn_scan, gdn_out, each the median ms of 15 replays of its own captured graph."""
-    from strata.cuda import driver as drv
-    from strata.cuda.arena import Arena
-    from strata.kernels import Kernels
     from strata.kernels import gdn as kgdn
     from strata.model.synth import preset_config
     cfg = preset_config("flash")
     Hk, Hv, D, K, cd, vd = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_conv, cfg.conv_dim,
                             cfg.value_dim)
-    dev = drv.Device.open()
-    kern = Kernels(dev.arch)
-    stream = drv.Stream()
-    rng = np.random.default_rng(5)
-    A = Arena()
+    kern, stream, rng, A, _ = phase_rig(5)
     bufs = {n: A.reserve(n, shape) for n, shape in (
         ("qkv", (rows, cd)), ("z", (rows, vd)), ("alpha", (rows, Hv)), ("beta", (rows, Hv)), ("conv_w", (cd, K)),
         ("dt", (Hv,)), ("A", (Hv,)), ("norm", (D,)), ("ring", (K, cd)), ("c", (rows, cd)), ("qn", (rows, Hk, D)),
@@ -381,9 +390,7 @@ def phase_gdn(rows: int = 4096) -> None:
     bufs["A"].upload(-rng.uniform(0.01, 4, Hv).astype(np.float32))
     for n in ("ring", "S"):
         bufs[n].upload(np.zeros(bufs[n].shape, np.float32))
-    w = np.zeros(16, np.int32)
-    w[1], w[3], w[4] = 8192, rows, 1
-    step.upload(w)
+    step.upload(step_block(8192, rows))
     b = bufs
     fn = lambda n: kern.fn("gdn", n)
     launches = {
@@ -410,18 +417,11 @@ def phase_ple(rows: int = 4096, preset: str = "flash") -> None:
     """The PLE block at a preset's geometry (flash: 4 streams of 2560, a conv of 4 taps at dilation 3) over a chunk
     of `rows` and over one decode row (random inputs, a history carried across the replays): ple_gate, ple_conv,
     ple_hist, each the median ms of 15 replays of its own captured graph."""
-    from strata.cuda import driver as drv
-    from strata.cuda.arena import Arena
-    from strata.kernels import Kernels
     from strata.kernels import ple as kple
     from strata.model.synth import preset_config
     cfg = preset_config(preset)
     hc, E, C = cfg.hc, cfg.n_embd, cfg.hc_dim
-    dev = drv.Device.open()
-    kern = Kernels(dev.arch)
-    stream = drv.Stream()
-    rng = np.random.default_rng(6)
-    A = Arena()
+    kern, stream, rng, A, _ = phase_rig(6)
     bufs = {n: A.reserve(n, shape) for n, shape in (
         ("R", (rows, C)), ("key", (rows, C)), ("value", (rows, E)), ("gate", (rows, hc)), ("nk", (C,)), ("nq", (C,)),
         ("nc", (C,)), ("conv_w", (C, cfg.ple_conv)), ("hist", (cfg.ple_hist, C)))}
@@ -431,9 +431,7 @@ def phase_ple(rows: int = 4096, preset: str = "flash") -> None:
         b.upload(rng.standard_normal(b.shape).astype(np.float32))
     b, out = bufs, {}
     for T in (rows, 1):
-        w = np.zeros(16, np.int32)
-        w[1], w[3], w[4] = 8192, T, 1
-        step.upload(w)
+        step.upload(step_block(8192, T))
         launches = kple.ple_launches(lambda n: kern.fn("ple", n), "ple", cfg, b["R"], b["key"], b["value"],
                                      b["gate"], b["nk"], b["nq"], b["nc"], b["conv_w"], b["hist"], step, T)
         out.update({f"{l.name.split('.')[1]} {T}": graph_ms(f"ple {l.name}", stream, [l]) for l in launches})
@@ -513,10 +511,8 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     splits of GEMM_XPREP, gate/up, down), the median ms of 15 replays of its own captured graph, with TFLOP/s of
     useful work. Routing: make-model's realistic routing (the preset's skew, flash's where it has none; random
     weights route almost uniformly otherwise): what sets the pairs an expert gets, so the tiles' fill."""
-    from strata.cuda import driver as drv
-    from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.arena import DevMat
     from strata.cuda.weights import device_rows
-    from strata.kernels import Kernels
     from strata.kernels import gemm as kgemm
     from strata.kernels import moe as kmoe
     from strata.model.synth import ROUTING_SKEW, preset_config
@@ -525,10 +521,7 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     from bench_gemm import random_rows
     cfg = preset_config(preset)
     E, Fn, n_exp, k, qt = cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, cfg.n_expert_used, QType.Q2_0
-    dev = drv.Device.open()
-    kern = Kernels(dev.arch)
-    stream = drv.Stream()
-    rng = np.random.default_rng(7)
+    kern, stream, rng, A, arch = phase_rig(7)
     # make-model's realistic routing (strata.model.synth): expert e's router logits scaled by exp(skew z_e),
     # z_e ~ N(0, 1), rescaled to RMS 1, over a near-isotropic input: each row's top k of N(0, s_e^2) logits
     s = np.exp(ROUTING_SKEW.get(preset, ROUTING_SKEW["flash"]) * rng.standard_normal(n_exp))
@@ -537,7 +530,6 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     per = np.bincount(ids_v.ravel(), minlength=n_exp)
     plan = kmoe.tile_plan(rows, k, n_exp)
     rb_gu, rb_d = row_bytes(qt, E), row_bytes(qt, Fn)
-    A = Arena()
     g, u = A.reserve("gate", (n_exp * Fn * rb_gu,), np.uint8), A.reserve("up", (n_exp * Fn * rb_gu,), np.uint8)
     d = A.reserve("down", (n_exp * E * rb_d,), np.uint8)
     ids, step = A.reserve("ids", (rows, k), np.int32), A.reserve("step", (16,), np.int32)
@@ -551,15 +543,13 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     bank = kmoe.ExpertBank(gm, 0, um, 0, dm, 0, (gm.mat_bytes, um.mat_bytes, dm.mat_bytes))
     sp_plan = kmoe.split_plan(cfg, bank, plan)
     xsb = [A.reserve(f"xs{i}", (kgemm.xsplit_bytes(*p),), np.uint8) for i, p in enumerate(sp_plan)] \
-        if kgemm.XPREP and dev.arch == 90 else None
+        if kgemm.XPREP and arch == 90 else None
     A.commit()
     for buf, n_out, n_in in ((g, Fn, E), (u, Fn, E), (d, E, Fn)):
         buf.upload(device_rows(random_rows(qt, n_exp * n_out, n_in, rng), qt, n_exp * n_out, n_in).reshape(-1))
     x.upload(rng.standard_normal((rows, E)).astype(np.float32))
     ids.upload(ids_v)
-    w = np.zeros(16, np.int32)
-    w[1], w[3], w[4] = 8192, rows, 1
-    step.upload(w)
+    step.upload(step_block(8192, rows))
     splits = tuple(kgemm.XSplit(b, *p) for b, p in zip(xsb, sp_plan)) if xsb else None
     fn = lambda n: kern.fn("moe", n)
     grp = kmoe.group_launch(fn("moe_group"), "group", cfg, ids, None, step, pair_tok, pair_of, tiles, n_tiles, rows,
