@@ -1366,8 +1366,8 @@ def test_batch_prepares_each_x_once(monkeypatch):
     # the expert GEMMs' tile splits: one buffer per input length, planned before the experts' types are known,
     # so large enough for either k-chunk (576 = 9 chunks of 64 or 5 of 128: the 128s need more)
     bp.be.cfg = cfg_tiny(n_embd=512, n_ff_exp=576, n_expert=13, n_expert_used=3)
-    tp = kmoe.tile_plan(300, 3, 13)
-    assert (tp.bn, tp.bn2) == (64, 0)
+    tp = kmoe.tile_plan(300, 3, 13)                  # 69 pairs an expert: 128-pair tiles and the 64-pair list
+    assert (tp.bn, tp.bn2) == (128, 64) and tp.plane_rows == tp.cap * 128 + tp.cap2 * 64
     bp._plan_tile_splits(tp)
     nr = tp.plane_rows
     b1 = SimpleNamespace(gate=q4, up=q4, down=q4)                  # (split_plan reads the banks' types only)
