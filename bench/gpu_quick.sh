@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The shortest useful GPU-machine call, for a session with little device time left: the flash file made
-# (realistic mix and routing) while the CUDA backend tests and the GEMM / expert kernel tests run, then one 4096-row
-# prefill chunk stage by stage and launch by launch (bench_prefill_gpu.py --launches 30) and the all-VRAM decode
-# (gpu_check.py --phases bench). Each part has its own time limit so that one slow part leaves the rest their
+# (realistic mix and routing) while the CUDA backend tests, the batched kernels' tests and the PLE phase
+# (gpu_check.py --phases ple) run, then one 4096-row prefill chunk stage by stage and launch by launch
+# (bench_prefill_gpu.py --launches 30) and the all-VRAM decode (gpu_check.py --phases bench). Each part has its own time limit so that one slow part leaves the rest their
 # time; logs in $OUT as one logs.tgz (the device tool brings back few files).
 #   bash bench/gpu_quick.sh
 #   KTESTS="..." (the kernel tests' -k, default the batched kernels'), QSA_VARIANTS=";QSA_HW=6" (the QSA attention
@@ -16,8 +16,11 @@ make_flash "$model"
 timeout 150 python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py > "$out/gpu_tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
 timeout "${KTESTS_S:-120}" python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py \
-    -k "${KTESTS:-gemm or grouped or prepared or qsa or gdn or combine}" > "$out/kernel_tests.log" 2>&1
+    -k "${KTESTS:-gemm or grouped or prepared or qsa or gdn or combine or ple}" > "$out/kernel_tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$out/kernel_tests.log" | tail -8
+# the PLE block's launches at a chunk and at one row (no model)
+timeout "${PLE_S:-60}" python3 bench/gpu_check.py --phases ple > "$out/ple.log" 2>&1
+grep -E "\] ple |Error" "$out/ple.log"
 # QSA_VARIANTS=";QSA_HW=6": qsa_attn + qsa_combine at the flash heads per build (gpu_check.py's qsa phase, no model)
 IFS=';' read -ra qv <<< "${QSA_VARIANTS:-}"
 for i in "${!qv[@]}"; do
