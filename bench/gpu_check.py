@@ -562,9 +562,7 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     used = [int(v) for v in n_tiles.download()]
     times = {"moe_group": graph_ms("moe group", stream, [grp])}
     times.update({l.name.split(".", 1)[1]: graph_ms(f"moe {l.name}", stream, [l]) for l in launches})
-    # moe_group's rule, in numpy: the tiles each list should hold
-    r = per % plan.bn
-    want = [int((per // plan.bn + (r > plan.bn2)).sum()), int(((r > 0) & (r <= plan.bn2)).sum())]
+    want = plan.tile_counts(per)
     if used != want:
         raise SystemExit(f"moe_group made {used} tiles, the plan's rule {want}")
     slots = used[0] * plan.bn + used[1] * plan.bn2

@@ -41,8 +41,8 @@ if [ -n "${MODEL:-}" ]; then
     for i in "${!variants[@]}"; do
         export STRATA_KERNEL_DEFINES="${variants[$i]}"
         echo "== chunk, defines: '${variants[$i]}' (at ${SECONDS} s)"
-        timeout "${PREFILL_S:-150}" python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 --tokens "${CHUNK_TOKENS:-8192}" \
-            > "$out/prefill_${i}.log" 2>&1
+        timeout "${PREFILL_S:-150}" python3 bench/bench_prefill_gpu.py --model "$MODEL" --chunks 4096 \
+            --tokens "${CHUNK_TOKENS:-8192}" > "$out/prefill_${i}.log" 2>&1
         grep -E "^chunk|experts|Error" "$out/prefill_${i}.log"
     done
 fi

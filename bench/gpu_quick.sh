@@ -2,8 +2,9 @@
 # The shortest useful GPU-machine call, for a session with little device time left: the flash file made
 # (realistic mix and routing) while the CUDA backend tests, the batched kernels' tests and the PLE phase
 # (gpu_check.py --phases ple) run, then one 4096-row prefill chunk stage by stage and launch by launch
-# (bench_prefill_gpu.py --launches 30) and the all-VRAM decode (gpu_check.py --phases bench). Each part has its own time limit so that one slow part leaves the rest their
-# time; logs in $OUT as one logs.tgz (the device tool brings back few files).
+# (bench_prefill_gpu.py --launches 30) and the all-VRAM decode (gpu_check.py --phases bench). Each part has its
+# own time limit so that one slow part leaves the rest their time; logs in $OUT as one logs.tgz (the device tool
+# brings back few files).
 #   bash bench/gpu_quick.sh
 #   KTESTS="..." (the kernel tests' -k, default the batched kernels'), QSA_VARIANTS=";QSA_HW=6" (the QSA attention
 #   phase per build), DECODE_S=0 (no decode)

@@ -847,8 +847,9 @@ def test_experts(rig, qt):
 
 def variant_kernels(rig, monkeypatch, module: str, define: str = "GEMM_XPREP", value: int = 1):
     """fn_of(kernel name) of `module` built with `define`=value (GEMM_XPREP: the tiles' copy of prepared rows;
-    GEMM_WPREP: of prepared weights), and gemm.py's twin of the define takes the value (the launches' shared memory): the emulator builds the variant for the test, and so does NVRTC
-    on the GPU when the session's build differs."""
+    GEMM_WPREP: of prepared weights), and gemm.py's twin of the define takes the value (the launches' shared
+    memory): the emulator builds the variant for the test, and so does NVRTC on the GPU when the session's build
+    differs."""
     from strata.kernels import gemm as kgemm
     from strata.kernels.build import Module
     name = define.removeprefix("GEMM_")
@@ -869,8 +870,7 @@ def check_tiles(plan, tiles: np.ndarray, counts: np.ndarray, pair_of: np.ndarray
     plane row; each GPU expert's pairs [first, first + c) covered by its tiles in order, each pair's expert's."""
     rows, n_exp = ids.shape[0], len(slot)
     per = np.bincount(ids.ravel()[slot[ids.ravel()] >= 0], minlength=n_exp)
-    r = per % plan.bn
-    want = [int((per // plan.bn + (r > plan.bn2)).sum()), int(((r > 0) & (r <= plan.bn2)).sum())]
+    want = plan.tile_counts(per)
     assert counts.tolist() == want, f"tile counts {counts.tolist()}, the rule's {want}"
     lists = [tiles[:4 * plan.cap].reshape(-1, 4)[:want[0]], tiles[4 * plan.cap:].reshape(-1, 4)[:want[1]]]
     assert all((t[:, 3] == base + np.arange(len(t)) * bn).all()

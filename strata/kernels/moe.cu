@@ -391,7 +391,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const i32* __restri
 
 // The rows of each expert tile split once for all its M tiles (gemm.py GEMM_XPREP; x_split of gemm.cu, per tile):
 // tile i's rows (x[xrow[p]] for its pairs p when xrow is set, else x[p]) into plane rows [b, b + BN) of xs's
-// k-chunk blockIdx.y, b its plane row (moe_group), zeros past its pairs. grid (max tiles, chunks); tiles past *n_tiles do nothing.
+// k-chunk blockIdx.y, b its plane row (moe_group), zeros past its pairs. grid (max tiles, chunks); tiles past
+// *n_tiles do nothing.
 template <int BK, int BN>
 __device__ __forceinline__ void moe_split_body(const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,
                                                const float* __restrict__ x, int ldx, int n_in,

@@ -269,6 +269,11 @@ class TilePlan:
         """The rows of the tiles' split planes (gemm.py XPREP): the first list's tile i at i bn, the second's after."""
         return self.cap * self.bn + self.cap2 * self.bn2
 
+    def tile_counts(self, pairs: np.ndarray) -> list[int]:
+        """moe_group's rule in numpy: the tiles each list gets for these pairs per expert."""
+        r = pairs % self.bn
+        return [int((pairs // self.bn + (r > self.bn2)).sum()), int(((r > 0) & (r <= self.bn2)).sum())]
+
     @property
     def lists(self) -> tuple[tuple[int, int, int], ...]:
         """(pairs a tile, the list's first tile in the tile table, its capacity) per list."""
