@@ -4,12 +4,15 @@
 
 Prints decode ms/token and tok/s, the VRAM cache hit rate, the trace breakdown of the measured request (the same
 table as `cli.py trace`), the Python host overhead per token and the expert bandwidth achieved. A warm-up request
-runs first (numba compilation, first reads, cache fill); --preload reads every expert into host memory before it.
+runs first (numba compilation, first reads, cache fill); --preload reads every expert into host memory before it;
+--profile N runs one more request under cProfile and lists where the loop thread's Python time went.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import tempfile
 import time
@@ -49,6 +52,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="HostConfig.promote_after: mapped misses before an expert is promoted into the VRAM cache "
                         "(default: the engine's)")
     p.add_argument("--trace", help="write the JSON-lines trace here (default: a temporary file)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the measured request, run one more of the same length under cProfile (the loop's "
+                        "thread; every Python call costs more there, so read it for where the host work is, not for "
+                        "how long) and print its N costliest functions by own time and by cumulative time "
+                        "(default: 0, off)")
     a = p.parse_args(argv)
     if a.tokens < 2:
         p.error("--tokens must be at least 2 (decode speed is measured between tokens)")
@@ -84,6 +92,20 @@ async def run(a: argparse.Namespace, trace: str) -> None:
         async for c in e.generate(a.prompt, SamplingParams(max_tokens=a.tokens, stop_at_eos=False)):
             times.append(time.perf_counter())
         hits, looks = sum(s.cache.hits.values()) - hits0, sum(s.cache.lookups.values()) - looks0
+        report(a, s, trace, c, times, hits, looks)
+        if a.profile:             # another request of the same length, under the profiler (after the report: the
+            prof = cProfile.Profile()           # trace's last request is the measured one until then)
+            prof.enable()
+            async for _ in e.generate(a.prompt, SamplingParams(max_tokens=a.tokens, stop_at_eos=False)):
+                pass
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                print(f"profile of a second request of {a.tokens} tokens, the {a.profile} costliest by {key}:")
+                pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats(key).print_stats(a.profile)
+
+
+def report(a: argparse.Namespace, s, trace: str, c, times: list[float], hits: int, looks: int) -> None:
+    """The measured request's figures: decode speed, cache hits, the trace's table and the host overhead."""
     gaps = np.diff(times[:-1])                 # between generated tokens (the last chunk is the finish)
     dec = float(np.median(gaps))
     t = c.timings
