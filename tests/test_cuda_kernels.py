@@ -338,6 +338,32 @@ def test_embed_rms(rig, qt):
     assert rel(xn.download(), rms_norm(Rr, norm, 1e-6)) <= TOL
 
 
+@both_rigs
+def test_host_copy(rig):
+    """host_copy: words from mapped pinned host memory into the arena at an offset, every word of the range (a
+    partial last CTA), nothing around it; a replay reads the host bytes as they are then."""
+    n, off = 700, 12                                    # 700 words: 3 CTAs, the last one part-filled
+    dst = rig.buf("dst", (n + 2 * off,), np.int32)
+    rig.commit()
+    host = drv.HostBuffer(4 * (n + 8), mapped=True, what="test host copy")
+    try:
+        src = host.array(np.int32, (n + 8,))
+        src[:] = np.arange(n + 8, dtype=np.int32) * 7 - 1000
+        launch = kgemv.host_copy_launch(rig.k.fn("gemv", "host_copy"), "copy", dst, host.dptr + 16, 4 * n, 4 * off)
+        rig.poison(dst)
+        rig.run(launch)
+        got = dst.download()
+        assert (got[off:off + n] == src[4:4 + n]).all()
+        assert (got[:off] == -7).all() and (got[off + n:] == -7).all()
+        src[:] = -src                                       # the same launch again: the new bytes
+        rig.run(launch)
+        assert (dst.download()[off:off + n] == src[4:4 + n]).all()
+        with pytest.raises(ValueError, match="overrun"):
+            kgemv.host_copy_launch(rig.k.fn("gemv", "host_copy"), "copy", dst, host.dptr, 4 * n, 4 * (2 * off + 1))
+    finally:
+        host.free()
+
+
 # ---- the gated residual -----------------------------------------------------------------------------------
 
 def _hc_weights(rng, hc, E, r, qt=QType.Q8_0):

@@ -469,11 +469,12 @@ class CudaBackend:
 
     def _host_buffers(self) -> None:
         cfg, k, E = self.cfg, self.cfg.n_expert_used, self.cfg.n_embd
-        self.h_step = drv.HostBuffer(self.b_step.nbytes, what="step staging")
+        # the small staging buffers are mapped: kernels copy them on the compute stream (host_copy_launch)
+        self.h_step = drv.HostBuffer(self.b_step.nbytes, mapped=True, what="step staging")
         self.step = self.h_step.array(I32, self.b_step.shape)
         self.step[:] = 0
         Tm = self.max_step_tokens
-        self.h_ple = drv.HostBuffer(4 * Tm * max(cfg.ple_dim, 1), what="PLE staging")
+        self.h_ple = drv.HostBuffer(4 * Tm * max(cfg.ple_dim, 1), mapped=True, what="PLE staging")
         self.ple_rows = self.h_ple.array(F32, (Tm, max(cfg.ple_dim, 1)))
         self.ple_stage = self.ple_rows[0]
         if self.batch is not None:
@@ -537,7 +538,8 @@ class CudaBackend:
             self._eff = np.zeros((cfg.n_layer, cfg.n_expert), bool)         # the table's VRAM entries
             self._tok_eff = self._eff                                       # ... as the last mapped token read it
             if self.can_map:
-                self.h_ptab = drv.HostBuffer(self.b_ptab.nbytes, what="expert address table")
+                self.h_ptab = drv.HostBuffer(self.b_ptab.nbytes, mapped=True, what="expert address table")
+                self._ptab_copy: dict[tuple[int, int], Launch] = {}
                 self.ptab = self.h_ptab.array(np.uint64, self.b_ptab.shape)
                 self.h_ids_all = drv.HostBuffer(self.b_ids_all.nbytes, what="mapped token routes")
                 self.ids_all = self.h_ids_all.array(I32, self.b_ids_all.shape)
@@ -593,7 +595,8 @@ class CudaBackend:
             st: list[tuple[str, list]] = []
             if il in cfg.ple_layers:
                 st.append(("ple", [
-                    _Later(lambda: CopyH2D("PLE vector", self.b_ple_e, self.h_ple.ptr, 4 * cfg.ple_dim)),
+                    _Later(lambda: kgemv.host_copy_launch(K.fn("gemv", "host_copy"), "PLE vector", self.b_ple_e,
+                                                          self.h_ple.dptr, 4 * cfg.ple_dim)),
                     gemv(p + "ple_proj", [Job(d["ple_key"], self.b_ple_e, self.b_ple_key),
                                           Job(d["ple_value"], self.b_ple_e, self.b_ple_value)]),
                     _Later(kple.ple_launches, lambda n: K.fn("ple", n), p + "ple", cfg, self.b_R, self.b_ple_key,
@@ -721,6 +724,8 @@ class CudaBackend:
         self.post_m = [build(x) for x in post_m] if post_m else None
         self.pref = [build(x) for x in pref]          # pref[l]: beside layer l, layer l + 1's prefetch
         self.head_stages = build([("head", head)])
+        self.step_copy = kgemv.host_copy_launch(self.kern.fn("gemv", "host_copy"), "step", self.b_step,
+                                                self.h_step.dptr, 4 * (STEP_WORDS + 1))
         if self.batch is not None:
             self.batch.build()
 
@@ -731,8 +736,7 @@ class CudaBackend:
                 launch.enqueue(self.stream)
 
     def _enq_begin(self) -> None:
-        s = self.stream
-        drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 4 * (STEP_WORDS + 1), s, "step")
+        self.step_copy.enqueue(self.stream)
         self._enq(self.begin_stages)
 
     def _enq_head(self) -> None:
@@ -1197,8 +1201,11 @@ class CudaBackend:
         self.ptab[ls, es] = np.where(res[:, None], self._slot_addr[sl], self._host_addr[ls, es])
         lo, hi = int(ls.min()), int(ls.max()) + 1
         rb = self.ptab[0].nbytes
-        drv.memcpy_htod_async(self.b_ptab.ptr + rb * lo, self.h_ptab.ptr + rb * lo, rb * (hi - lo), self.stream,
-                              "expert address table")
+        if (lo, hi) not in self._ptab_copy:          # a launch a row range (packing one costs ~15 us)
+            self._ptab_copy[lo, hi] = kgemv.host_copy_launch(self.kern.fn("gemv", "host_copy"), "expert address table",
+                                                             self.b_ptab, self.h_ptab.dptr + rb * lo, rb * (hi - lo),
+                                                             rb * lo)
+        self._ptab_copy[lo, hi].enqueue(self.stream)
         self.ev_ptab.record(self.stream)
 
     def _harvest_promotions(self) -> None:
@@ -1621,9 +1628,8 @@ class CudaBackend:
         if self.seq is not None and self.seq.live and self.seq.phase != "idle":
             raise BackendError("measure_doorbell: a token is in flight")
         route = self.pre[0][[name for name, _ in self.pre[0]].index("route")][1][-1]
-        g = Graph("doorbell probe", self.stream, lambda: (
-            drv.memcpy_htod_async(self.b_step.ptr, self.h_step.ptr, 4 * (STEP_WORDS + 1), self.stream, "step"),
-            route.enqueue(self.stream)))
+        g = Graph("doorbell probe", self.stream,
+                  lambda: (self.step_copy.enqueue(self.stream), route.enqueue(self.stream)))
         ev, out = drv.Event(), []
         try:
             for _ in range(n):

@@ -243,7 +243,8 @@ class BatchPath:
 
         L0 = be.L[0]
         first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
-        ops = {"begin": [("embed", [k(lambda rows: CopyH2D("step", step, be.h_step.ptr, step.nbytes)),
+        ops = {"begin": [("embed", [k(lambda rows: kgemv.host_copy_launch(K.fn("gemv", "host_copy"), "b.step", step,
+                                                                          be.h_step.dptr, step.nbytes)),
                                     k(lambda rows: kgemv.embed_launch(K.fn("gemv", "embed_rms"), "b.embed", be.w_embd,
                                                                        step, self.R, first_norm, self.xn, hc, eps,
                                                                        rows))])]}
@@ -464,14 +465,17 @@ class BatchPath:
         self._enq(self.head)
 
     def host_buffers(self) -> None:
-        """Pinned staging: the logit rows; in host mode a layer's slot table and the host's parts."""
+        """Pinned staging: the logit rows; in host mode the layers' slot tables (one row a layer, mapped: a kernel
+        copies a layer's row when its post is enqueued, and the host may write the next layer's meanwhile) and the
+        host's parts."""
         cfg, k, E = self.be.cfg, self.be.cfg.n_expert_used, self.be.cfg.n_embd
         self.h_logits = drv.HostBuffer(4 * self.logit_rows * cfg.n_vocab, what="batched logits")
         self.logits_out = self.h_logits.array(F32, (self.logit_rows, cfg.n_vocab))
         self._pinned = [self.h_logits]
         if self.be.experts == "host":
-            self.h_slot = drv.HostBuffer(4 * cfg.n_expert, what="slot table staging")
-            self.slot_stage = self.h_slot.array(I32, (cfg.n_expert,))
+            self.h_slot = drv.HostBuffer(4 * cfg.n_layer * cfg.n_expert, mapped=True, what="slot table staging")
+            self.slot_stage = self.h_slot.array(I32, (cfg.n_layer, cfg.n_expert))
+            self._slot_copy: dict[int, object] = {}          # layer -> its row's host_copy launch
             self.h_parts = drv.HostBuffer(4 * self.rows * k * E, what="host parts staging")
             self.parts_stage = self.h_parts.array(F32, (self.rows, k, E))
             self._pinned += [self.h_slot, self.h_parts]
@@ -486,9 +490,13 @@ class BatchPath:
         """Host mode: the layer's slot table, and the host's parts (T, k, E) where mask (T, k) is false, copied
         before post[layer] (parts None: the device computes every routed expert)."""
         be = self.be
-        self.slot_stage[:] = slot_of
-        drv.memcpy_htod_async(self.slot_of.ptr, self.h_slot.ptr, self.h_slot.nbytes, be.stream,
-                              "post[%d] slot table", layer)
+        self.slot_stage[layer] = slot_of
+        if layer not in self._slot_copy:
+            rb = self.slot_stage[0].nbytes
+            self._slot_copy[layer] = kgemv.host_copy_launch(be.kern.fn("gemv", "host_copy"),
+                                                            f"post[{layer}] slot table", self.slot_of,
+                                                            self.h_slot.dptr + rb * layer, rb)
+        self._slot_copy[layer].enqueue(be.stream)
         if parts is not None and not mask.all():
             T, k, E = parts.shape
             self.parts_stage[:T][~mask] = parts[~mask]

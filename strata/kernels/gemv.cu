@@ -157,6 +157,19 @@ extern "C" __global__ void __launch_bounds__(256) gather_rows(const float* __res
             dst[(size_t)i * n + e] = src[(size_t)idx[i] * n + e];
 }
 
+// dst[i] = src[i] for n words, src in mapped pinned host memory (read over PCIe by this kernel): the small host
+// tables a step or token needs on the device (the step words, the PLE vector, a streamed layer's slot table, a
+// mapped token's expert addresses), on the compute stream. A copy engine's copy of them queued behind the side
+// stream's expert copies (a streamed layer's 512 experts, a mapped token's promotions): 1 ms a token and ~9 ms a
+// streamed layer on the H100 (bench/RESULTS.md, 2026-12-05 seventh session). The read comes before pdl_begin: no
+// kernel writes the host's staging; the store waits for the kernels before.
+extern "C" __global__ void __launch_bounds__(256) host_copy(unsigned* dst, const unsigned* __restrict__ src, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned v = i < n ? src[i] : 0u;
+    pdl_begin();
+    if (i < n) dst[i] = v;
+}
+
 // Programmatic-launch probe (strata.cuda.launch): b[i] = a[i] + 1 after a kernel that wrote a[i] = i slowly.
 extern "C" __global__ void __launch_bounds__(256) pdl_probe_a(float* a, int n, int spin) {
     pdl_begin();

@@ -249,6 +249,20 @@ def embed_launch(fn, name: str, table: DevMat, step: DevArray, R: DevArray, norm
                   [P(table), I(table.qtype), I(table.row_bytes), I(E), P(step), P(R), P(norm), P(xn), F(eps)])
 
 
+def host_copy_launch(fn, name: str, dst: DevArray, src_dptr: int, nbytes: int, dst_offset: int = 0) -> Launch:
+    """nbytes (a multiple of 4) from mapped pinned host memory at device address src_dptr into dst + dst_offset
+    bytes, by a kernel (gemv.cu host_copy): enqueued on the compute stream it does not wait behind the side
+    stream's copies as a copy engine's copy does. Inside a graph it re-reads the host bytes on every replay."""
+    if nbytes % 4 or dst_offset % 4 or nbytes <= 0:
+        raise ValueError(f"{name}: {nbytes} bytes at offset {dst_offset}: whole 4-byte words, at least one")
+    if dst_offset + nbytes > dst.nbytes:
+        raise ValueError(f"{name}: {nbytes} bytes at offset {dst_offset} overrun '{dst.name}' ({dst.nbytes} bytes)")
+    if not src_dptr:
+        raise ValueError(f"{name}: the source is not mapped into the device's address space")
+    n = nbytes // 4
+    return Launch(fn, name, (-(-n // 256),), (256,), 0, [P(dst.ptr + dst_offset), P(int(src_dptr)), I(n)])
+
+
 def gather_launch(fn, name: str, src: DevArray, dst: DevArray, idx: DevArray, n_rows: DevArray, rows: int,
                   n: int) -> Launch:
     """dst[i] = src[idx[i]] (rows of n floats) for i < n_rows (device word), rows at most."""
