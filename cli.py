@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
 
     mm = sub.add_parser("make-model", help="random weights straight to GGUF, deterministic by seed")
     mm.add_argument("out")
-    mm.add_argument("--preset", default="tiny", help="tiny, small, medium or flash (the real geometry)")
+    mm.add_argument("--preset", default="tiny", help="tiny, small, medium, flash (the real geometry) or flash-host "
+                    "(flash's layers, experts and vocabulary at small widths: host work without a GPU)")
     mm.add_argument("--seed", type=int, default=0, help="the weights' seed")
     mm.add_argument("--mix", default=None, help="f32, bf16, q8_0 or realistic (default: f32 for tiny, else realistic)")
     mm.add_argument("--ple-base", type=int, default=None,

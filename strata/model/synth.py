@@ -87,6 +87,14 @@ PRESETS: dict[str, dict] = {
                   ssm_conv=4, ssm_state=128, ssm_k_heads=16, ssm_v_heads=48, hc=4, hc_rank=320, n_expert=512,
                   n_expert_used=10, n_ff_exp=640, n_ff_shexp=640, eos_id=248044, heads_per_ngram=8,
                   ple_base=20_000_000),
+    # flash's host-side shape (48 layers, 512 experts top-10, a 248,320-token vocabulary, the PLE heads) at the
+    # small preset's widths: the host's work per token and per layer as on flash, measurable without a GPU (the
+    # CUDA backend on the kernel emulator: bench/bench_host.py --backend cuda-emu)
+    "flash-host": dict(n_layer=48, n_embd=256, n_vocab=248320, n_ctx_train=32768, rms_eps=1e-6, n_head=8,
+                       n_head_kv=2, head_dim=64, n_rot=16, rope_base=1e7, idx_heads=4, idx_dim=32, idx_budget=64,
+                       ssm_conv=4, ssm_state=32, ssm_k_heads=4, ssm_v_heads=12, hc=4, hc_rank=64, n_expert=512,
+                       n_expert_used=10, n_ff_exp=256, n_ff_shexp=256, eos_id=248044, heads_per_ngram=8,
+                       ple_base=20011),
 }
 
 # The realistic mix (issue 3): experts Q2_0, dense K-quants and IQ4_XS, router/alpha/beta BF16, PLE table IQ4_NL.
@@ -109,15 +117,17 @@ ROUTINGS = ("uniform", "realistic")
 # preset. Under sign-symmetric inputs an expert is in the top-k of at most about half the tokens, which caps the tiny
 # preset (16 experts top-4) near 65%: it has no realistic routing. Measured by
 # `python bench/calibrate_routing.py calibrate --preset P` (bench/RESULTS.md).
-ROUTING_SKEW = {"small": 0.8906, "medium": 0.4102, "flash": 0.2286}
+ROUTING_SKEW = {"small": 0.8906, "medium": 0.4102, "flash": 0.2286, "flash-host": 0.2286}
 # What each default skew measured: the mean over layers of an LRU per layer holding LRU_CAPACITY of the experts
-ROUTING_HIT = {"small": 0.7965, "medium": 0.7992, "flash": 0.8007}
+ROUTING_HIT = {"small": 0.7965, "medium": 0.7992, "flash": 0.8007, "flash-host": 0.8007}
 ROUTING_CALIBRATION = {
     "small": "end to end: the CPU reference on 512 tokens of English text, seed 0",
     "medium": "end to end: the CPU reference on 512 tokens of English text, seed 0",
     "flash": "replay: the router inputs of flash's width and depth (20 experts, a 4096 vocabulary, a small PLE "
              "table; 512 tokens of English text) through 512-expert top-10 routers, mean of 4 router draws; flash "
              "itself is too large to run on the calibration machine",
+    "flash-host": "flash's skew (the same 512-expert top-10 cut; a skew selects alike at any width), not "
+                  "measured on this preset",
 }
 LRU_CAPACITY = 0.45
 LRU_TARGET = 0.80
