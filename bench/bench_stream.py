@@ -78,25 +78,27 @@ def report(mode: str, wall: float, trace: str, a) -> None:
     pauses = [t1 - t0 for r in steps for _, t0, t1 in r.get("gc", ())]
     print(f"  Python's collector (gc freeze {a.gc_freeze}): {len(pauses) / n:.0f} runs a chunk, pausing every thread "
           f"{sum(pauses) / n:.2f} ms a chunk, the longest {max(pauses, default=0.0):.2f} ms")
-    layers = defaultdict(lambda: [0.0] * 9)      # the stream tuple's 7 values, then the host's two waits
-    host = {"stream_wait": 7, "doorbell": 8}
+    layers = defaultdict(lambda: [0.0] * 10)     # the stream tuple's 8 values, then the host's two waits
+    host = {"stream_wait": 8, "lag_wait": 9}     # lag_wait's layer: the post the host waited for
     for r in steps:
         for layer, *vals in r.get("stream", []):
-            layers[layer][:7] = [x + v for x, v in zip(layers[layer], vals)]
+            layers[layer][:8] = [x + v for x, v in zip(layers[layer], vals)]
         for kind, layer, t0, t1 in r["spans"]:
             if kind in host and layer >= 0:
                 layers[layer][host[kind]] += t1 - t0
     if layers:
         print(f"  per layer, per chunk: {'layer':>5s} {'experts':>8s} {'MB':>8s} {'copy ms':>8s} {'exposed':>8s} "
-              f"{'hidden':>7s} {'pre ms':>7s} {'post ms':>7s} {'idle ms':>7s} {'enqueue':>7s} {'bell':>7s}")
+              f"{'hidden':>7s} {'pre ms':>7s} {'post ms':>7s} {'idle ms':>7s} {'drv ms':>7s} {'enqueue':>7s} "
+              f"{'lag':>7s}")
         print(f"  {'':21s}(device: copies, their part post waited for, pre, post, the idle gap before pre; host: "
-              f"the wait for the layer's copies to be enqueued, then for its doorbell)")
-        tot = [0.0] * 9
+              f"the time inside the backend's calls enqueueing the copies, the wait for them to be enqueued, the "
+              f"wait for this layer's post before launching pre[l + 2])")
+        tot = [0.0] * 10
 
-        def row(label, k, nbytes, copy, exposed, pre, post, idle, enq, bell, tail=""):
+        def row(label, k, nbytes, copy, exposed, pre, post, idle, drv, enq, lag, tail=""):
             print(f"  {'':21s}{label:>5} {k / n:8.0f} {nbytes / n / 1e6:8.1f} {copy / n:8.2f} {exposed / n:8.2f} "
                   f"{100 * (1 - exposed / copy) if copy else 0:6.1f}% {pre / n:7.2f} {post / n:7.2f} {idle / n:7.2f}"
-                  f" {enq / n:7.2f} {bell / n:7.2f}" + tail)
+                  f" {drv / n:7.2f} {enq / n:7.2f} {lag / n:7.2f}" + tail)
         for layer in sorted(layers):
             tot = [t + v for t, v in zip(tot, layers[layer])]
             if a.all_layers or layer < 3 or layer >= max(layers) - 1:

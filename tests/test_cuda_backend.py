@@ -508,7 +508,8 @@ def test_scheduler_streamed_prefill(case):
     """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
     the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by one-row
     steps first) used in place and kept; every position against transformers, and against the split path (CPU
-    pool and uploads) within 1e-5; the device timed every layer's copies and compute."""
+    pool and uploads) within 1e-5; the device timed every layer's copies and compute; the routes copied back per
+    layer (the counts' input, read after the step) are those the split path's doorbells gave."""
     import asyncio
 
     from strata.host.scheduler import HostConfig, Scheduler
@@ -523,10 +524,21 @@ def test_scheduler_streamed_prefill(case):
     def run(mode: str):
         be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=24, log=print)
         assert be.stream_slots() == cfg.n_expert and be.expert_slots() >= 6
-        opened, times = [], []
+        opened, times, routes = [], [], []
         real_open, real_times = be.stream_open, be.stream_times
+        real_routes, real_poll = be.streamed_routes, be.poll_route
         be.stream_open = lambda layer: (opened.append(layer), real_open(layer))[1]
         be.stream_times = lambda: times.append(real_times()) or times[-1]
+        be.streamed_routes = lambda: routes.append(real_routes().copy()) or routes[-1]
+
+        def poll_route(layer):                  # the split path's routes of the 24-row chunks, layer by layer
+            r = real_poll(layer)
+            if r is not None and be.cur.T > 1:
+                if layer == 0:
+                    routes.append([])
+                routes[-1].append(r.ids.copy())
+            return r
+        be.poll_route = poll_route
 
         async def go():
             sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts=mode))
@@ -541,9 +553,12 @@ def test_scheduler_streamed_prefill(case):
         head, rest, cached = asyncio.run(go())                    # the scheduler's aclose closes the backend
         if mode == "always":                                      # a streamed prompt evicts nothing (it may fill
             assert cached.items() <= be._slot_of.items()          # free slots)
-        return np.asarray(rest), opened, times, cached
-    streamed, opened, times, cached = run("always")
-    split, opened_split, _, _ = run("never")
+        return np.asarray(rest), opened, times, cached, [np.asarray(r) for r in routes]
+    streamed, opened, times, cached, routes = run("always")
+    split, opened_split, _, _, split_routes = run("never")
+    assert len(routes) == len(split_routes) == len(times) > 0
+    for got, want in zip(routes, split_routes):
+        assert np.array_equal(got, want)
     _check(f"{spec.name} streamed prefill", streamed, ref)
     assert rel_err(streamed, ref).max() <= 1e-4
     assert rel_err(streamed, split).max() <= 1e-5

@@ -58,11 +58,12 @@ def test_sources_take_no_generic_lambda():
                 f"{f} line {text.count(chr(10), 0, m.start()) + 1}: a generic lambda ({m.group(0)})"
 
 
-def step_words(pos: int = 0, ring: int = 0, tokens=(0,), rows: int | None = None) -> np.ndarray:
-    """The step block (common.cuh): token, position, ring, row count T, logit rows, ..., then the rows' tokens;
-    `rows` gives T where the kernels read no tokens (more rows than the block holds)."""
+def step_words(pos: int = 0, ring: int = 0, tokens=(0,), rows: int | None = None, flags: int = 1) -> np.ndarray:
+    """The step block (common.cuh): token, position, ring, row count T, logit rows, flags (1: the doorbell carries
+    x), ..., then the rows' tokens; `rows` gives T where the kernels read no tokens (more rows than the block
+    holds)."""
     w = np.zeros(STEP_N, np.int32)
-    w[0], w[1], w[2], w[3], w[4] = tokens[0], pos, ring, len(tokens) if rows is None else rows, 1
+    w[0], w[1], w[2], w[3], w[4], w[5] = tokens[0], pos, ring, len(tokens) if rows is None else rows, 1, flags
     w[8:8 + len(tokens)] = tokens
     return w
 
@@ -745,22 +746,25 @@ def test_route_and_doorbell(rig):
     try:
         launch = kmoe.route_launch(rig.k.fn("moe", "moe_route"), "route", cfg, 5, logits, x, ids, wts, step, db.ptrs,
                                    ticket)
-        for ring in (100, 200):
+        for ring, flags in ((100, 1), (200, 1), (300, 0)):        # flags 0: the payload without x
             w = SimpleNamespace(ffn_gate_inp=Rows(np.eye(n, dtype=F32)))
             lv = rng.standard_normal(n).astype(F32) * 3
             lv[7] = lv[300] = lv.max() + 1                     # a tie in the top 10: the lower id first
             xv = rng.standard_normal(E).astype(F32)
             logits.upload(lv)
             x.upload(xv)
-            step.upload(step_words(ring=ring))
+            step.upload(step_words(ring=ring, flags=flags))
             rig.poison(ids, wts)
+            db.x[:] = np.nan
             rig.run(launch)
             ref_ids, ref_w = (a[0] for a in route(cfg, w, lv[None]))
             assert np.array_equal(ids.download(), ref_ids)
             assert rel(wts.download(), ref_w) <= TOL
             assert db.value() == ring + 5
             dx, di, dw = (a[0] for a in db.payload())
-            assert np.array_equal(dx, xv) and np.array_equal(di, ref_ids) and rel(dw, ref_w) <= TOL
+            assert np.array_equal(di, ref_ids) and rel(dw, ref_w) <= TOL
+            assert np.array_equal(dx, xv) if flags else np.isnan(dx).all()
+            assert db.payload(x=False)[0] is None
     finally:
         db.free()
 

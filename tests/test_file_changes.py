@@ -147,11 +147,11 @@ async def test_truncated_ple_table_under_a_running_engine(copy, tiny_gguf):
     class CutsTheFile(CpuBackend):
         steps = 0
 
-        def begin(self, step):
+        def begin(self, step, route_x=True):
             CutsTheFile.steps += 1
             if CutsTheFile.steps == 4:
                 os.truncate(copy, cut_at)
-            super().begin(step)
+            super().begin(step, route_x)
 
     _quiet_unretrieved()
     e = Engine(m, backend=CutsTheFile(m))

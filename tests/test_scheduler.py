@@ -235,7 +235,7 @@ async def test_prompt_reads_run_ahead(tiny_gguf):
     real_start, real_begin = ple.start, be.begin
     ple.start = lambda rows, **kw: (log.append(("read", len(rows), len(set(rows.tolist())))),
                                     real_start(rows, **kw))[1]
-    be.begin = lambda step: (log.append(("begin", step.T)), real_begin(step))[1]
+    be.begin = lambda step, **kw: (log.append(("begin", step.T)), real_begin(step, **kw))[1]
     try:
         await assert_parity(sched, Engine.open_sync(tiny_gguf), TOKENS[:10] + [TOKENS[1]] * 4)   # 3 chunks
     finally:

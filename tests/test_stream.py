@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from strata.engine import Engine
@@ -15,6 +16,7 @@ from strata.host.backend import BackendError, CpuBackend, ExpertPlan, Segment, S
 from strata.host.experts import ExpertLayout
 from strata.host.scheduler import HostConfig, Scheduler, _size_class
 from strata.model.loader import load_model
+from strata.reference.ple import NgramWindow, ple_gather, ple_rows
 from test_scheduler import TOKENS, VramOnCpu, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
 
 
@@ -172,9 +174,12 @@ def test_streamed_post_protocol(realistic_gguf):
 
 
 @pytest.mark.asyncio
-async def test_streamed_post_goes_before_the_route(realistic_gguf):
-    """A streamed layer's post is launched as soon as its copies are enqueued, before the host reads its route
-    (the device never waits for the host's round trip); the logits stay exact."""
+async def test_streamed_layers_need_no_round_trip(realistic_gguf):
+    """A streamed layer's post is launched as soon as its copies are enqueued and the next layer's pre right after
+    it: the host never reads a streamed layer's route between launches (no doorbell round trip), only waits until
+    post[l - STREAM_LAG] has run before pre[l]; the routes come back after the step and the counts are theirs. The
+    logits stay exact."""
+    from strata.host.scheduler import STREAM_LAG
     model = load_model(realistic_gguf)
     calls: list[tuple[str, int]] = []
 
@@ -187,18 +192,51 @@ async def test_streamed_post_goes_before_the_route(realistic_gguf):
             calls.append(("post", layer))
             super().launch_post_streamed(layer)
 
+        def post_done(self, layer):
+            done = super().post_done(layer)
+            if done:
+                calls.append(("done", layer))
+            return done
+
         def poll_route(self, layer):
-            r = super().poll_route(layer)
-            if r is not None:
-                calls.append(("route", layer))
-            return r
+            calls.append(("route", layer))
+            return super().poll_route(layer)
+
+        def streamed_routes(self):
+            calls.append(("routes", -1))
+            got = super().streamed_routes()
+            seen.append(got.copy())
+            return got
+    seen: list[np.ndarray] = []
     sched = Scheduler(model, Order(model, stream=True), HostConfig(step_tokens=8, stream_experts="always"))
     try:
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:8])
     finally:
         await sched.aclose()
-    n = model.cfg.n_layer
-    assert calls == [(c, il) for il in range(n) for c in ("pre", "post", "route")]
+    n, cfg = model.cfg.n_layer, model.cfg
+    assert ("route", 0) not in calls and calls[-1] == ("routes", -1)
+    launches = [c for c in calls if c[0] in ("pre", "post")]
+    assert launches == [(c, il) for il in range(n) for c in ("pre", "post")]
+    for il in range(STREAM_LAG, n):               # pre[l] only once post[l - STREAM_LAG] was seen done
+        assert calls.index(("done", il - STREAM_LAG)) < calls.index(("pre", il))
+    # the routes the counts used are the reference's: every layer's top-k of its router on the step's rows
+    ref = CpuBackend(model, experts="mapped")                  # the device computes every expert itself
+    seq = ref.new_seq()
+    ref.begin(Step((Segment(seq, tuple(TOKENS[:8]), 0, "last"),)))
+    for il in range(n):
+        if il in cfg.ple_layers:
+            ref.stage_ple(ple_gather(model.weights.per_layer_token_embd,
+                                     ple_rows(cfg, TOKENS[:8], NgramWindow.start(cfg))))
+        ref.launch_pre(il)
+        route = None
+        while route is None:
+            route = ref.poll_route(il)
+        assert np.array_equal(seen[0][il], route.ids), f"layer {il}'s counted routes"
+        plan = ExpertPlan.of(il, route.ids, cfg.n_embd)
+        plan.resident[:] = True
+        ref.launch_post(plan)
+    ref.free_seq(seq)
+    ref.close()
 
 
 def _views(be, layer, expert):

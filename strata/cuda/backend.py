@@ -56,7 +56,8 @@ from strata.reference.common import rope_inv_freq
 from strata.reference.model import StageDump
 
 F32, I32, U8 = np.float32, np.int32, np.uint8
-STEP_TOKEN, STEP_POS, STEP_RING, STEP_T, STEP_L, STEP_WORDS = 0, 1, 2, 3, 4, 8    # common.cuh
+STEP_TOKEN, STEP_POS, STEP_RING, STEP_T, STEP_L, STEP_FLAGS, STEP_WORDS = 0, 1, 2, 3, 4, 5, 8    # common.cuh
+STEP_ROUTE_X = 1                 # STEP_FLAGS: the doorbell carries the routed rows of x
 POST_PARTS_OFFSET = 256                          # post_in: slots (k i32) at 0, host parts (k, E) f32 here
 # device memory left free beside the arena for the driver, the graphs and what the context takes once tokens run:
 # on the H200 the device's use grew 0.66 GiB after setup during a 24 GiB budget bench (23.51 -> 24.17 GiB with
@@ -900,9 +901,10 @@ class CudaBackend:
         return seg.seq
 
     @_guarded
-    def begin(self, step: Step) -> None:
+    def begin(self, step: Step, route_x: bool = True) -> None:
         seq = self._step_seq(step, "begin")
         self._check_seq(seq, "begin", "idle")
+        self.step[STEP_FLAGS] = STEP_ROUTE_X if route_x else 0
         if self.experts == "host" and self._pend_turns:
             self._join_pending()
         if step.T > 1:
@@ -1002,8 +1004,8 @@ class CudaBackend:
         seq = self._seq_of_step("launch_pre")
         if layer == 0:
             self._check_seq(seq, "launch_pre", "begun")
-        else:
-            self._check_seq(seq, "launch_pre", "post", layer=layer - 1)
+        else:             # a streamed layer's route is not read before the next pre (streamed_routes after the step)
+            self._check_seq(seq, "launch_pre", "post", "streamed", layer=layer - 1)
         if layer in self.cfg.ple_layers and not seq.ple_ready:
             raise BackendError(f"launch_pre({layer}): the PLE layer needs the token's PLE vector (begin or stage_ple)")
         seq.layer, seq.route = layer, None
@@ -1034,7 +1036,8 @@ class CudaBackend:
                     raise BackendError(f"poll_route: doorbell timeout: pre[{layer}] has not rung in "
                                        f"{self.timeout:.0f}s (holds {self.db.value()}, expected {want})")
                 return None
-        seq.route = Route(*self.db.payload(self.cur.T))
+        # a streamed layer's post is launched already: its route is read for the counts, without the inputs x
+        seq.route = Route(*self.db.payload(self.cur.T, x=seq.phase != "streamed"))
         seq.phase = "post" if seq.phase == "streamed" else "routed"
         return seq.route
 
@@ -1457,12 +1460,30 @@ class CudaBackend:
         self.ev_m[layer].record(self.stream)             # post[layer] runs after its experts' copies
         self.stream.wait(self.ev_s1[layer])
         self.batch.stage_post(layer, slot_of)
+        self.batch.copy_routes(layer)
         self.batch.run("post", self.batch.bucket(self.cur.T), layer)
         self._mark_needed = True
         self.ev_post_done[layer % 2].record(self.stream)
         self.ev_p1[layer].record(self.stream)
         self._posted = layer
         seq.phase = "streamed"
+
+    @_guarded
+    def post_done(self, layer: int) -> bool:
+        """Whether post[layer] of the streamed step in flight has run on the device (never blocks)."""
+        if self._posted < layer:
+            raise BackendError(f"post_done({layer}): post[{layer}] of a streamed step is not launched")
+        return self.ev_p1[layer].query("post[%d]", layer)
+
+    @_guarded
+    def streamed_routes(self) -> np.ndarray:
+        """After a streamed step's head: every streamed layer's routed experts (n_layer, T, k) int32, copied back
+        per layer beside the posts; a view valid until the next step begins."""
+        seq = self._seq_of_step("streamed_routes")
+        self._check_seq(seq, "streamed_routes", "idle", "head")
+        if not self.ev_head.query("head"):
+            raise BackendError("streamed_routes: the step's head has not run")
+        return self.batch.routes_stage[:, :self.cur.T]
 
     def _post_rows(self, seq: _Seq, plan: ExpertPlan) -> None:
         """post[plan.layer] of a batched step that did not stream (split): in host mode the slot table of the
@@ -1494,7 +1515,7 @@ class CudaBackend:
     @_guarded
     def launch_head(self) -> None:
         seq = self._seq_of_step("launch_head")
-        self._check_seq(seq, "launch_head", "post", layer=self.cfg.n_layer - 1)
+        self._check_seq(seq, "launch_head", "post", "streamed", layer=self.cfg.n_layer - 1)
         if self.cur.T > 1:
             n = len(self.cur.logit_rows)
             if n:

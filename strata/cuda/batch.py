@@ -476,9 +476,12 @@ class BatchPath:
             self.h_slot = drv.HostBuffer(4 * cfg.n_layer * cfg.n_expert, mapped=True, what="slot table staging")
             self.slot_stage = self.h_slot.array(I32, (cfg.n_layer, cfg.n_expert))
             self._slot_copy: dict[int, object] = {}          # layer -> its row's host_copy launch
+            # a streamed step's routes, each layer's copied back beside its post (read after the step)
+            self.h_routes = drv.HostBuffer(4 * cfg.n_layer * self.rows * k, what="streamed routes")
+            self.routes_stage = self.h_routes.array(np.int32, (cfg.n_layer, self.rows, k))
             self.h_parts = drv.HostBuffer(4 * self.rows * k * E, what="host parts staging")
             self.parts_stage = self.h_parts.array(F32, (self.rows, k, E))
-            self._pinned += [self.h_slot, self.h_parts]
+            self._pinned += [self.h_slot, self.h_parts, self.h_routes]
 
     def free_host(self) -> None:
         for b in getattr(self, "_pinned", []):
@@ -502,6 +505,13 @@ class BatchPath:
             self.parts_stage[:T][~mask] = parts[~mask]
             drv.memcpy_htod_async(self.host_parts.ptr, self.h_parts.ptr, 4 * T * k * E, be.stream,
                                   "post[%d] host parts", layer)
+
+    def copy_routes(self, layer: int) -> None:
+        """The step's routed experts of `layer` (written by its pre's router) back to pinned memory, in stream order
+        before the next pre overwrites them."""
+        k = self.be.cfg.n_expert_used
+        drv.memcpy_dtoh_async(self.h_routes.ptr + layer * self.rows * k * 4, self.ids.ptr, 4 * self.be.cur.T * k,
+                              self.be.stream, "layer %d routes", layer)
 
     def copy_logits(self, n: int) -> None:
         drv.memcpy_dtoh_async(self.h_logits.ptr, self.logits.ptr, 4 * n * self.be.cfg.n_vocab, self.be.stream,

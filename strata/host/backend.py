@@ -3,7 +3,8 @@
 A step is a flat list of T rows: runs (Segment) of consecutive tokens of one sequence each, a prompt chunk or
 one decoding token, decode rows first by the scheduler's policy. Per step:
 
-    begin(step)                       stage the rows' token ids and positions, embed them
+    begin(step, route_x=True)         stage the rows' token ids and positions, embed them; route_x=False: the
+                                      step's routes will not carry the rows' x (a streamed step reads no x)
     stage_ple(e)                      the rows' gathered PLE vectors (T, ple_dim), any time before launch_pre of the
                                       PLE layer, so the host's row reads overlap layer 0
     launch_pre(l)                     start pre[l] for all T rows: [PLE] -> gr_read -> mixer -> gr_write -> gr_read
@@ -23,6 +24,11 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       resident (with the cache's), after the copies. s: a free cache slot the
                                       host's policy picked (or None): the copy goes there and the expert stays
                                       resident, ordered like the stream's other copies
+    launch_post_streamed(l)           optional, with streaming: post[l] of a streamed step once its copies are
+                                      enqueued, without the host reading l's route; pre[l + 1] may follow at once
+    post_done(l) -> bool              a streamed step's post[l] has run (never blocks): the host keeps its launches
+                                      a few layers ahead of the device, no further
+    streamed_routes()                 after a streamed step's head: each layer's routed experts (n_layer, T, k)
     stream_times()                    after a streamed step: [(layer, experts, bytes, copy_ms, exposed_ms, pre_ms,
                                       post_ms, idle_ms)], the device's copy time per layer, how much of it post[l]
                                       waited for, pre[l]'s and post[l]'s device time, the device's idle gap before
@@ -122,7 +128,7 @@ class Step:
 @dataclass
 class Route:
     """What pre[l] publishes at the doorbell, for every row of the step."""
-    x: np.ndarray          # (T, E) float32: the MoE inputs
+    x: np.ndarray | None   # (T, E) float32: the MoE inputs (None: a streamed layer's, whose post needs none)
     ids: np.ndarray        # (T, k) int32: routed experts, in descending probability
     weights: np.ndarray    # (T, k) float32: their renormalized weights
 
@@ -162,7 +168,7 @@ class Backend(Protocol):
 
     def new_seq(self, dump: StageDump | None = None) -> object: ...
     def free_seq(self, seq: object) -> None: ...
-    def begin(self, step: Step) -> None: ...
+    def begin(self, step: Step, route_x: bool = True) -> None: ...
     def stage_ple(self, e: np.ndarray) -> None: ...
     def launch_pre(self, layer: int) -> None: ...
     def poll_route(self, layer: int) -> Route | None: ...
@@ -292,8 +298,9 @@ class CpuBackend:
         self.live += 1
         return _CpuSeq(_copy_state(snap))
 
-    def begin(self, step: Step) -> None:
-        """Queued like every stage: a step the host gave up on (a read failed) may still have a post running."""
+    def begin(self, step: Step, route_x: bool = True) -> None:
+        """Queued like every stage: a step the host gave up on (a read failed) may still have a post running.
+        route_x: a route's x here is a view of the stage's own array (free), so it is given either way."""
         runs = []
         for s in step.segments:
             if s.seq.st is None:
@@ -304,6 +311,8 @@ class CpuBackend:
         self.step, self.batch, self.ple_e = step, Batch.of(runs), None
         self.layer = self.routed = self.posted = -1
         self._stream, self._stream_log = {}, []
+        self._streamed_ids: dict[int, np.ndarray] = {}     # a streamed layer's routes, kept by its post
+        self._post_jobs: dict[int, Future] = {}             # a streamed layer's post stage
         self._run(self._begin, self.batch, step, fresh=True)
 
     def _begin(self, batch: Batch, step: Step) -> None:
@@ -528,8 +537,9 @@ class CpuBackend:
         self.posted = plan.layer
 
     def launch_post_streamed(self, layer: int) -> None:
-        """post[layer] of a streamed step before the host has its route (CudaBackend's): every expert is in a
-        cache slot or the layer's closed stream; the worker groups pre's routes itself. poll_route(layer) after."""
+        """post[layer] of a streamed step without the host reading its route (CudaBackend's): every expert is in a
+        cache slot or the layer's closed stream; the worker groups pre's routes itself and keeps them for
+        streamed_routes. pre[layer + 1] may follow at once."""
         if layer != self.layer or self.routed != layer - 1:
             raise BackendError(f"launch_post_streamed({layer}): pre[{self.layer}] is the one launched, the route of "
                                f"layer {self.routed} the last read")
@@ -550,8 +560,30 @@ class CpuBackend:
             plan = ExpertPlan.of(layer, self.pre.ids, self.cfg.n_embd)
             plan.resident[:] = True
             self._post_copies(plan, have)
+            self._streamed_ids[layer] = np.asarray(self.pre.ids, np.int32)
         self._run(post)
-        self.posted = layer
+        self._post_jobs[layer] = self.job
+        self.posted = self.routed = layer
+
+    def post_done(self, layer: int) -> bool:
+        """Whether post[layer] of the streamed step in flight has run (never blocks; a failed stage raises)."""
+        job = self._post_jobs.get(layer)
+        if job is None:
+            raise BackendError(f"post_done({layer}): post[{layer}] of a streamed step is not launched")
+        if not job.done():
+            return False
+        self._result(job)
+        return True
+
+    def streamed_routes(self) -> np.ndarray:
+        """After a streamed step's head: every streamed layer's routed experts (n_layer, T, k) int32 (zeros for a
+        layer that did not stream)."""
+        if self.job is not None:                 # poll_logits clears it once the head's logits are out
+            raise BackendError("streamed_routes: the step's logits have not been read")
+        out = np.zeros((self.cfg.n_layer, self.batch.T, self.cfg.n_expert_used), np.int32)
+        for layer, ids in self._streamed_ids.items():
+            out[layer] = ids
+        return out
 
     def _post_copies(self, plan: ExpertPlan, streamed: dict) -> None:
         """post with the resident experts' outputs computed here from their copies (cache slots or the layer's

@@ -83,6 +83,8 @@ RAMP_FIRST = 512           # where PLE rows are read from the file, a prompt's f
                            # ~41K a second at depth 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and
                            # each later chunk's are read while the one before computes, so only the first's are exposed
 STREAM_AHEAD = 2           # a streamed step reads the experts of this many layers ahead of the one being copied
+STREAM_LAG = 2             # ... and launches pre[l] once post[l - STREAM_LAG] has run: the device always has a
+                           # layer queued (~20 ms at 4096 rows of flash), the driver's queues stay short
 TIMER_SLACK_S = 1.5e-3     # an event loop timer fires up to ~1 ms late (libuv's millisecond clock)
 PLE_ANNOUNCE = 1 << 30     # a whole PLE table this large is announced before it is read (seconds at open)
 
@@ -770,11 +772,11 @@ class Scheduler:
         st.mode = "stream" if stream else "split"
         (self.chunk_modes if step.T > 1 else self.decode_modes)[st.mode] += 1
         t0 = t_begin = clock()
-        be.begin(step)
+        be.begin(step, route_x=not stream)
         st.span("pre_launch", -1, t0, clock())
         fetches: dict[int, tuple] = {}
         tasks: dict[int, asyncio.Task] = {}
-        counts = None                     # a streamed layer's counts, taken once the next layer is launched
+        streamed: dict[int, tuple] = {}   # a streamed layer's copies (the _stream tuple), counted after the step
         try:
             if stream:                   # layer l + 1's experts are copied while layer l computes; reads run ahead
                 for il in range(min(STREAM_AHEAD, n)):
@@ -783,29 +785,27 @@ class Scheduler:
             for il in range(n):
                 if il == self.ple_layer:
                     be.stage_ple(await self._ple_vectors(step, reads, st))
+                if stream and il >= STREAM_LAG and not be.post_done(il - STREAM_LAG):
+                    t0 = clock()         # the host stays STREAM_LAG layers ahead of the device, no further
+                    await self._poll(lambda lag=il - STREAM_LAG: be.post_done(lag) or None, "post", il - STREAM_LAG)
+                    st.span("lag_wait", il - STREAM_LAG, t0, clock())
                 t0 = clock()
                 be.launch_pre(il)
                 t1 = clock()
                 st.span("pre_launch", il, t0, t1)
-                if counts is not None:
-                    self._streamed_counts(*counts, st)
-                    counts = None
-                if stream and il + 1 < n:     # post[il - 1], the last reader of its buffer, is launched
-                    if il + STREAM_AHEAD < n:
-                        fetches[il + STREAM_AHEAD] = self._stream_fetch(il + STREAM_AHEAD)
-                    tasks[il + 1] = asyncio.create_task(self._stream(il + 1, fetches.pop(il + 1), tasks[il], st))
-                if stream:    # post[il] needs its layer's copies enqueued, not its route: launched first
-                    got = await tasks.pop(il)
+                if stream:    # post[il] needs its layer's copies enqueued, not its route: no doorbell round trip
+                    if il + 1 < n:     # post[il - 1], the last reader of its buffer, is launched
+                        if il + STREAM_AHEAD < n:
+                            fetches[il + STREAM_AHEAD] = self._stream_fetch(il + STREAM_AHEAD)
+                        tasks[il + 1] = asyncio.create_task(self._stream(il + 1, fetches.pop(il + 1), tasks[il], st))
+                    streamed[il] = await tasks.pop(il)
                     t0 = clock()
                     st.span("stream_wait", il, t1, t0)
                     be.launch_post_streamed(il)
-                    t1 = clock()
-                    st.span("post_launch", il, t0, t1)
+                    st.span("post_launch", il, t0, clock())
+                    continue
                 route = be.poll_route(il) or await self._poll(lambda: be.poll_route(il), "pre", il)
                 st.span("doorbell", il, t1, clock())
-                if stream:
-                    counts = (il, route, got)
-                    continue
                 plan = await self._expert_plan(il, route, st)
                 t0 = clock()
                 be.launch_post(plan)
@@ -819,14 +819,15 @@ class Scheduler:
         be.launch_head()
         t1 = clock()
         st.span("head_launch", -1, t0, t1)
-        if counts is not None:
-            self._streamed_counts(*counts, st)
         logits = be.poll_logits()
         if logits is None:
             logits = await self._poll(be.poll_logits, "head", -1)
         st.span("head_wait", -1, t1, clock())
         if stream:
-            st.stream = be.stream_times()
+            routes = be.streamed_routes()
+            for il, got in streamed.items():
+                self._streamed_counts(il, routes[il], got, st)
+            st.stream = [(*t, 1e3 * streamed[t[0]][5] if t[0] in streamed else 0.0) for t in be.stream_times()]
         if step.T > 1 or self._mapped:   # what the mode cost: wall seconds per row, per size class
             self._observe(_size_class(step.T), st.mode, (clock() - t_begin) / step.T)
         return logits
@@ -869,17 +870,22 @@ class Scheduler:
         """Copy layer il's lacking experts into the backend's stream buffer as their blobs arrive, after layer
         il - 1's copies (the copy stream goes layer by layer); while the cache has free slots an expert goes to
         one of those instead (the same copy: the first prompt warms the cache, evicting nothing).
-        (experts, bytes, from RAM, from the SSD)."""
+        (experts, bytes, from RAM, from the SSD, lacked experts, seconds inside the backend's stream calls: the
+        copies' enqueue, during which the loop runs nothing else)."""
         experts, futs, in_ram = fetch
         if before is not None:
             await before
         be, cache = self.backend, self.cache
+        t0 = clock()
         be.stream_open(il)
+        drv = clock() - t0
         nbytes, blob_bytes, room = 0, self.layout.blob_bytes(il), cache.slots > len(cache)
         ready: list[tuple] = []             # blobs at hand go to the backend in one call, before a wait for more
         for e, f, ram in zip(experts, futs, in_ram.tolist()):
             if not f.done() and ready:
+                t0 = clock()
                 be.stream_experts(il, ready)
+                drv += clock() - t0
                 ready = []
             blob = f.result() if f.done() else await self._result(f, "expert %d of layer %d", e, il)
             if not ram:
@@ -888,17 +894,19 @@ class Scheduler:
             room = slot is not None
             ready.append((e, blob.gate, blob.up, blob.down, slot))
             nbytes += blob.nbytes
+        t0 = clock()
         be.stream_experts(il, ready)
         be.stream_close(il)
+        drv += clock() - t0
         n_ram = int(in_ram.sum())
-        return len(experts), nbytes, n_ram, len(experts) - n_ram, experts
+        return len(experts), nbytes, n_ram, len(experts) - n_ram, experts, drv
 
-    def _streamed_counts(self, il: int, route: Route, got: tuple, st: StepTrace) -> None:
-        """A streamed layer's routes (read after its post was launched): the cache's hits (the routed experts that
-        were resident before this step's copies) and the trace's counts. A count per expert, not a grouping:
-        this runs on the loop between launches (a sort of a 4096-row chunk's 40,960 routes took ~4 ms)."""
-        n, nbytes, n_ram, n_ssd, lacked = got
-        per = np.bincount(np.asarray(route.ids).reshape(-1), minlength=self.cfg.n_expert)
+    def _streamed_counts(self, il: int, ids: np.ndarray, got: tuple, st: StepTrace) -> None:
+        """A streamed layer's routes ids (T, k), read after the step: the cache's hits (the routed experts that
+        were resident before this step's copies) and the trace's counts. A count per expert, not a grouping (a
+        sort of a 4096-row chunk's 40,960 routes took ~4 ms)."""
+        n, nbytes, n_ram, n_ssd, lacked, _ = got
+        per = np.bincount(np.asarray(ids).reshape(-1), minlength=self.cfg.n_expert)
         experts = np.flatnonzero(per).astype(np.int32)
         pairs = per[experts]
         lack = np.zeros(self.cfg.n_expert, bool)

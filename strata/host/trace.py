@@ -39,8 +39,10 @@ rows only), "decode" (decode rows only) or "mixed".
                                                                        # (copies of earlier tokens' misses, run
                                                                        # beside this token; 0s when none ended)
      "stream":  [[layer, experts, bytes, copy_ms, exposed_ms,          # stream steps: the device's copy time per
-                  pre_ms, post_ms, idle_ms], ...],                     # layer, of it what post[l] waited for, the
-                                                                       # layer's compute and the idle gap before it
+                  pre_ms, post_ms, idle_ms, enqueue_ms], ...],         # layer, of it what post[l] waited for, the
+                                                                       # layer's compute and the idle gap before
+                                                                       # it; the host's time inside the backend's
+                                                                       # calls enqueueing the layer's copies
      "tiers":   {"vram", "ram", "ssd": distinct experts, "ssd_bytes", "ssd_ms": reads in flight,
                  "ssd_hidden_ms": of it behind device, CPU pool or upload work, "ssd_exposed_ms": of it while the
                  driver only waited},
@@ -68,15 +70,16 @@ _ORIGIN = time.perf_counter()
 
 # span kinds: what the driver was doing, in the table's order; DEVICE spans are device intervals as the host saw
 # them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
-DEVICE = ("pre_launch", "doorbell", "post_launch", "head_launch", "head_wait", "token_launch",
+DEVICE = ("pre_launch", "doorbell", "lag_wait", "post_launch", "head_launch", "head_wait", "token_launch",
           "promote", "token_wait")
 WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload", "stream_wait")
 HOST = ("sample", "finish")
-KINDS = ("ple_wait", "pre_launch", "doorbell", "io_wait", "cpu_wait", "upload", "stream_wait", "post_launch",
-         "head_launch", "head_wait", "token_launch", "promote", "token_wait", "sample", "finish")
+KINDS = ("ple_wait", "pre_launch", "doorbell", "lag_wait", "io_wait", "cpu_wait", "upload", "stream_wait",
+         "post_launch", "head_launch", "head_wait", "token_launch", "promote", "token_wait", "sample", "finish")
 LABELS = {
     "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch",
     "doorbell": "post[l-1] + pre[l]: doorbell wait",
+    "lag_wait": "streamed: post[l-2] wait (pre[l] next)",
     "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
     "stream_wait": "experts: stream's reads wait",
     "post_launch": "post graph: launch", "head_launch": "head: launch",

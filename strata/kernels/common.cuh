@@ -116,6 +116,8 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 #define STEP_RING 2       // doorbell sequence value of layer 0 for this token (layer l rings STEP_RING + l)
 #define STEP_T 3          // rows of the step (1 on the one-token path); row t is at position STEP_POS + t
 #define STEP_L 4          // logit rows of the step
+#define STEP_FLAGS 5      // STEP_ROUTE_X: the doorbell's payload carries the routed rows of x (a split step's CPU
+#define STEP_ROUTE_X 1    // experts read them; a streamed step's 42 MB a layer at 4096 rows would go unread)
 #define STEP_WORDS 8      // then the rows' token ids, then the logit rows (batched steps: see strata/cuda/backend.py)
 
 __device__ __forceinline__ float h2f(u16 h) {

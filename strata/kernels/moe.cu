@@ -72,7 +72,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
         wts[i] = pk[i] / red[0];
     }
     if (db_seq == nullptr) return;
-    for (int e = i; e < E; e += blockDim.x) db_x[(size_t)row * E + e] = x[e];
+    if (step[STEP_FLAGS] & STEP_ROUTE_X)
+        for (int e = i; e < E; e += blockDim.x) db_x[(size_t)row * E + e] = x[e];
     if (i < k) {
         db_ids[row * k + i] = ik[i];
         db_wts[row * k + i] = pk[i] / red[0];

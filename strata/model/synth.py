@@ -88,8 +88,8 @@ PRESETS: dict[str, dict] = {
                   n_expert_used=10, n_ff_exp=640, n_ff_shexp=640, eos_id=248044, heads_per_ngram=8,
                   ple_base=20_000_000),
     # flash's host-side shape (48 layers, 512 experts top-10, a 248,320-token vocabulary, the PLE heads) at the
-    # small preset's widths: the host's work per token and per layer as on flash, measurable without a GPU (the
-    # CUDA backend on the kernel emulator: bench/bench_host.py --backend cuda-emu)
+    # small preset's widths: the host's tables, copies and bookkeeping per token and per layer as on flash (1.5 GB
+    # in the realistic mix), for host-side benchmarks on a machine without a GPU
     "flash-host": dict(n_layer=48, n_embd=256, n_vocab=248320, n_ctx_train=32768, rms_eps=1e-6, n_head=8,
                        n_head_kv=2, head_dim=64, n_rot=16, rope_base=1e7, idx_heads=4, idx_dim=32, idx_budget=64,
                        ssm_conv=4, ssm_state=32, ssm_k_heads=4, ssm_v_heads=12, hc=4, hc_rank=64, n_expert=512,
