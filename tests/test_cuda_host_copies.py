@@ -163,7 +163,8 @@ class FakeEvent:
 def test_mapped_table_follows_the_loads(monkeypatch):
     """A mapped token's address table (_sync_ptab): a loaded slot is read from host memory until its copies' event
     is done, then from VRAM; an evicted expert goes back to its host address; only the rows of the layers that
-    changed are copied, on the main stream; a step that is not a mapped token waits for the pending loads."""
+    changed are copied, on the main stream (by a kernel); a step that is not a mapped token waits for the pending
+    loads."""
     qt, E, Fn = QType.Q8_0, 64, 32
     be, copies = backend(qt, E, Fn, monkeypatch)
     n_layer, n_exp, n_slots, k = 4, 8, 3, 2
@@ -174,7 +175,11 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be._pend_slot, be._pend_turns = np.full(n_slots, -1, np.int32), set()
     be._eff = np.zeros((n_layer, n_exp), bool)
     be.ptab = np.zeros((n_layer, n_exp, 3), np.uint64)
-    be.h_ptab, be.b_ptab = SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 30)
+    be.h_ptab, be.b_ptab = SimpleNamespace(ptr=1 << 20, dptr=1 << 20), SimpleNamespace(ptr=1 << 30)
+    be.kern, be._ptab_copy = SimpleNamespace(fn=lambda module, name: name), {}
+    # the table goes by a kernel reading the mapped staging (host_copy), recorded here like the copies
+    monkeypatch.setattr(cb.kgemv, "host_copy_launch", lambda fn, name, dst, src, n, off=0: SimpleNamespace(
+        enqueue=lambda stream: copies.append((dst.ptr + off, src, n, name))))
     be.ev_ptab = FakeEvent()
     be.can_map = be.mapped = True
     be.ev_prom, be._prom_state, be._prom_last = [FakeEvent(), FakeEvent()], "idle", None
