@@ -12,7 +12,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 model=${MODEL:-models/flash.gguf}
 mopt=(--model "$model" --routing "${ROUTING:-uniform}")
 python3 bench/gpu_check.py --phases model "${mopt[@]}" > "$out/model.log" 2>&1 &

@@ -7,7 +7,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 model=models/flash-realistic.gguf
 modes=${MODES:-fetch direct}
 make_flash "$model"

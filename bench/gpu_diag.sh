@@ -6,7 +6,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 tokens=${1:-64}
 model=models/flash-realistic.gguf
 make_flash "$model"

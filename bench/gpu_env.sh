@@ -7,6 +7,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 STRATA_CACHE="$PWD/.cache"
+out=${OUT:-/tmp}                  # the scripts' logs: $OUT comes back from the device tool
 
 # make_flash PATH: the flash file made in the background when it is missing (flash preset, realistic mix and
 # routing: ~2 minutes on the GPU machine, while the caller runs its tests), logged to $OUT/make_model.log; the

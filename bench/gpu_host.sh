@@ -9,7 +9,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 model=${MODEL:-models/flash-realistic.gguf}
 make_flash "$model"
 if [ -n "${TESTS:-}" ]; then

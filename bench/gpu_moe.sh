@@ -12,7 +12,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 [ -n "${MODEL:-}" ] && make_flash "$MODEL"
 IFS=';' read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")

@@ -10,7 +10,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 case "${1:-}" in
     gemm)
         shift

@@ -12,7 +12,6 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 config=${1:?vram or budget24}
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 model=models/flash-realistic.gguf
 mkdir -p models
 make_model() {

@@ -8,7 +8,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 tokens=${1:-1}
 mopt=(--model "${MODEL:-models/flash.gguf}")       # MODEL: another flash file (made with uniform routing if missing)
 python3 bench/gpu_check.py --phases model "${mopt[@]}" > "$out/profile.log" 2>&1 || { tail -5 "$out/profile.log"; exit 1; }

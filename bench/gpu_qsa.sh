@@ -7,7 +7,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "qsa" 2>&1 | tail -4
 n=0
 IFS=';' read -ra variants <<< "${VARIANTS:-}"

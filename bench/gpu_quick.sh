@@ -11,7 +11,6 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-out=${OUT:-/tmp}
 model=${MODEL:-models/flash-realistic.gguf}
 make_flash "$model"
 timeout 150 python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py > "$out/gpu_tests.log" 2>&1
