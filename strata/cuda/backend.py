@@ -1036,8 +1036,8 @@ class CudaBackend:
                     raise BackendError(f"poll_route: doorbell timeout: pre[{layer}] has not rung in "
                                        f"{self.timeout:.0f}s (holds {self.db.value()}, expected {want})")
                 return None
-        # a streamed layer's post is launched already: its route is read for the counts, without the inputs x
-        seq.route = Route(*self.db.payload(self.cur.T, x=seq.phase != "streamed"))
+        # x only where the router wrote it (begin's route_x: a streamed step's route carries none)
+        seq.route = Route(*self.db.payload(self.cur.T, x=bool(self.step[STEP_FLAGS] & STEP_ROUTE_X)))
         seq.phase = "post" if seq.phase == "streamed" else "routed"
         return seq.route
 
