@@ -68,6 +68,28 @@ class CUlaunchConfig:
         self.attrs, self.numAttrs = [], 0
 
 
+CUmemcpySrcAccessOrder = enum.IntEnum("CUmemcpySrcAccessOrder", {
+    "CU_MEMCPY_SRC_ACCESS_ORDER_INVALID": 0, "CU_MEMCPY_SRC_ACCESS_ORDER_STREAM": 1,
+    "CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL": 2, "CU_MEMCPY_SRC_ACCESS_ORDER_ANY": 3})
+CUmemcpyFlags = enum.IntEnum("CUmemcpyFlags", {"CU_MEMCPY_FLAG_DEFAULT": 0,
+                                               "CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE": 1})
+
+
+class CUdeviceptr:
+    """The bindings' pointer type: list arguments of pointers take these, not ints."""
+    def __init__(self, value: int = 0):
+        self.value = int(value)
+
+    def __int__(self) -> int:
+        return self.value
+
+
+class CUmemcpyAttributes:
+    def __init__(self):
+        self.srcAccessOrder = CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_INVALID
+        self.flags = CUmemcpyFlags.CU_MEMCPY_FLAG_DEFAULT
+
+
 OK = CUresult.CUDA_SUCCESS
 BAD = CUresult.CUDA_ERROR_INVALID_VALUE
 
@@ -117,6 +139,10 @@ class EmuDriver:
     CUlaunchAttributeID = CUlaunchAttributeID
     CUlaunchAttribute = CUlaunchAttribute
     CUlaunchConfig = CUlaunchConfig
+    CUmemcpySrcAccessOrder = CUmemcpySrcAccessOrder
+    CUmemcpyFlags = CUmemcpyFlags
+    CUdeviceptr = CUdeviceptr
+    CUmemcpyAttributes = CUmemcpyAttributes
     CU_MEMHOSTALLOC_PORTABLE = 1
     CU_MEMHOSTALLOC_DEVICEMAP = 2
 
@@ -321,6 +347,25 @@ class EmuDriver:
     def cuMemcpyDtoHAsync(self, dst, src, n, stream):
         return self._copy(dst, src, n, stream, to_device=False)
 
+    def cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream):
+        """Checked as the driver documents it (equal lengths, a valid source order for every copy, pointers as
+        CUdeviceptr); the copies are enqueued in reverse, since a batch promises no order among its copies."""
+        def f():
+            if not len(dsts) == len(srcs) == len(sizes) == count or count < 1:
+                raise Failed(BAD, "batch copy: dsts, srcs, sizes and count disagree")
+            if not len(attrs) == len(attrs_idxs) == num_attrs or num_attrs < 1 or attrs_idxs[0] != 0 or \
+                    any(b <= a for a, b in zip(attrs_idxs, attrs_idxs[1:])) or attrs_idxs[-1] >= count:
+                raise Failed(BAD, "batch copy: attrs and attrsIdxs")
+            if any(a.srcAccessOrder == CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_INVALID for a in attrs):
+                raise Failed(BAD, "batch copy: a copy without a source access order")
+            if not all(isinstance(p, CUdeviceptr) for p in (*dsts, *srcs)):
+                raise TypeError("batch copy: dsts and srcs take CUdeviceptr")
+            for d, n in zip(dsts, sizes):
+                self._check_range(int(d), n, "batch copy's device side")
+            for d, s_, n in reversed(list(zip(dsts, srcs, sizes))):
+                self._enqueue(stream, ("copy", int(d), int(s_), int(n)))
+        return self._call(f)
+
     def cuMemsetD8Async(self, dst, value, n, stream):
         def f():
             self._check_range(dst, n, "memset")
@@ -472,4 +517,5 @@ def install(monkeypatch, cache, **device) -> EmuDriver:
     monkeypatch.setattr(K, "Module", lambda name, arch: EmuModule(kernels, name))     # what Kernels loads
     monkeypatch.setattr(launch, "_SMEM_SET", {})
     monkeypatch.setattr(launch, "_PDL", dict(launch._PDL, probed=False))
+    monkeypatch.setattr(driver.CopyBatch, "ok", None)          # probed again against this driver
     return cu

@@ -59,6 +59,50 @@ TOL = 1e-3
 POLL_S = 60.0
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_copy_batch(device, batched, monkeypatch):
+    """Host-to-device copies of pinned memory in one cuMemcpyBatchAsync (the streamed experts' path), and one call
+    a copy where the driver lacks it: every byte where its own copy put it. The probe finds the batch call on
+    this rig (a GPU machine whose driver or bindings lacked it would fail here, not fall back unseen)."""
+    from strata.cuda.driver import check, cu
+    dev = drv.Device.open()
+    assert drv.CopyBatch.probe(), drv.CopyBatch.why
+    if not batched:
+        monkeypatch.setattr(drv.CopyBatch, "ok", False)
+    sizes = [4096, 1, 300, 65536, 777]
+    host = drv.HostBuffer(sum(sizes), what="test")
+    src = host.array(np.uint8, (sum(sizes),))
+    src[:] = np.random.default_rng(1).integers(0, 256, src.size, dtype=np.uint8)
+    total = 2 * sum(sizes)
+    d = int(check(cu.cuMemAlloc(total), "cuMemAlloc"))
+    stream = drv.Stream()
+    try:
+        check(cu.cuMemsetD8Async(d, 0, total, stream.handle), "cuMemsetD8Async")
+        batch, at, out, want = drv.CopyBatch(), 0, total, np.zeros(total, np.uint8)
+        for n in sizes:                  # each source slice to the far end of the destination, in reverse
+            out -= n
+            batch.add(d + out, host.ptr + at, n)
+            want[out:out + n] = src[at:at + n]
+            at += n
+        assert len(batch) == len(sizes)
+        batch.flush(stream, "test")
+        assert len(batch) == 0
+        stream.synchronize("test")
+        back = np.empty(total, np.uint8)
+        check(cu.cuMemcpyDtoH(back.ctypes.data, d, total), "cuMemcpyDtoH")
+        assert np.array_equal(back, want)
+        if device == "emu":              # a copy outside any allocation: the batch's error names it
+            batch.add(d + total + (1 << 30), host.ptr, 16)
+            with pytest.raises(drv.CudaError, match="test streamed 7, 16 B"):
+                batch.flush(stream, "test streamed %d", 7)
+            assert len(batch) == 0
+    finally:
+        check(cu.cuMemFree(d), "cuMemFree")
+        stream.destroy()
+        host.free()
+        del dev
+
+
 @pytest.fixture(scope="module", params=list(SPECS))
 def case(request, tmp_path_factory):
     spec = SPECS[request.param]

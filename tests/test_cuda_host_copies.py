@@ -47,6 +47,8 @@ def backend(qt, E, Fn, monkeypatch):
                   for _ in range(cb.LOAD_STAGING)]
     be.load_used, be.load_turn = [False] * cb.LOAD_STAGING, 0
     copies = []
+    monkeypatch.setattr(drv.CopyBatch, "ok", False)             # a batch goes as one recorded call a copy
+    be._copies = drv.CopyBatch()
     monkeypatch.setattr(drv, "memcpy_htod_async",
                         lambda dst, src, n, stream, what, *args: copies.append((dst, src, n, what % args)))
     return be, copies

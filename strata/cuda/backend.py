@@ -526,6 +526,9 @@ class CudaBackend:
             self._stream_keep: list[tuple] = []
             self._stream_log: list[tuple] = []
             self._posted = -1
+            if self.n_stream and drv.CopyBatch.probe() is False:
+                self.log(f"strata.cuda: streamed expert copies go one driver call each: {drv.CopyBatch.why}")
+            self._copies = drv.CopyBatch()
             self.h2d_bytes_per_s = self._measure_h2d()
             # mapped tokens: the table's host mirror, the token's routes, loads whose copies may still run
             self.mapped = False
@@ -1259,26 +1262,36 @@ class CudaBackend:
         except ValueError as e:
             raise BackendError(f"{call}: layer {layer} expert {expert}: {e}") from None
 
-    def _copy_into(self, slot: int, parts, what: tuple[int, int, int], after_launches: bool) -> None:
+    def _copy_into(self, slot: int, parts, what: tuple[int, int, int], after_launches: bool,
+                   batch: drv.CopyBatch | None = None) -> None:
         """The expert's three parts into slot `slot` on the side stream: straight from a pinned cell in device
         format, else through a pinned staging buffer. after_launches: the copy waits for every launch so far
-        (a cache slot that one of them may read); a stream slot's wait is stream_open's. what: (layer, expert,
-        slot), for an error's message."""
+        (a cache slot that one of them may read); a stream slot's wait is stream_open's. batch: a pinned cell's
+        copies join it (the caller flushes it; copies added before a wait for the launches are flushed ahead of
+        the wait, so they never wait with it). what: (layer, expert, slot), for an error's message."""
         src = [p.__array_interface__["data"][0] for p in parts]
         at = (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])
         contiguous = all(p.flags.c_contiguous for p in parts)
         one = contiguous and src[1] - src[0] == at[1] and src[2] - src[0] == at[2]   # laid out as the slot is
         if one and self.cells.owns_span(src[0], at[2] + parts[2].nbytes) or \
                 not one and contiguous and all(self.cells.owns_span(a, p.nbytes) for a, p in zip(src, parts)):
+            direct = batch is None
+            if direct:
+                batch = self._copies
             if after_launches:                                                   # pinned, in device format
+                batch.flush(self.side, COPY_WHAT, *what)
                 self._side_after_launches()
             base = self.slot_buf.ptr + slot * self.slot_bytes
             if one:
-                drv.memcpy_htod_async(base, src[0], at[2] + parts[2].nbytes, self.side, COPY_WHAT, *what)
-                return
-            for p, a, ptr in zip(parts, at, src):
-                drv.memcpy_htod_async(base + a, ptr, p.nbytes, self.side, COPY_WHAT, *what)
+                batch.add(base, src[0], at[2] + parts[2].nbytes)
+            else:
+                for p, a, ptr in zip(parts, at, src):
+                    batch.add(base + a, ptr, p.nbytes)
+            if direct:
+                batch.flush(self.side, COPY_WHAT, *what)
             return
+        if batch is not None:
+            batch.flush(self.side, COPY_WHAT, *what)
         i = self.load_turn
         if self.load_used[i]:
             self.ev_load[i].synchronize("expert staging reuse")
@@ -1344,27 +1357,30 @@ class CudaBackend:
         s = self._stream[layer % 2] if self.n_stream else None
         if s is None or s["layer"] != layer or not s["open"]:
             raise BackendError(f"stream_experts: layer {layer}'s stream is not open")
-        for expert, gate, up, down, slot in items:
-            if not 0 <= expert < self.cfg.n_expert or expert in s["slots"]:
-                raise BackendError(f"stream_experts: expert {expert} of layer {layer} (out of range or streamed "
-                                   f"twice)")
-            if (layer, expert) in self._slot_of:
-                raise BackendError(f"stream_experts: expert {expert} of layer {layer} is in the cache; a step "
-                                   f"streams only what its layers lack")
-            if slot is not None and not 0 <= slot < self.n_slots:
-                raise BackendError(f"stream_experts: cache slot {slot} of {self.n_slots}")
-            parts = self._device_parts(layer, expert, gate, up, down, "stream_experts")
-            used = False
-            if slot is None:
-                slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
-                s["slots"][expert] = slot
-            else:
-                used = self._owner[slot] is not None
-                self._own(slot, layer, expert)
-            self._copy_into(slot, parts, (layer, expert, slot), after_launches=used)
-            s["keep"].append(parts)
-            s["n"] += 1
-            s["bytes"] += sum(x.nbytes for x in parts)
+        try:
+            for expert, gate, up, down, slot in items:
+                if not 0 <= expert < self.cfg.n_expert or expert in s["slots"]:
+                    raise BackendError(f"stream_experts: expert {expert} of layer {layer} (out of range or streamed "
+                                       f"twice)")
+                if (layer, expert) in self._slot_of:
+                    raise BackendError(f"stream_experts: expert {expert} of layer {layer} is in the cache; a step "
+                                       f"streams only what its layers lack")
+                if slot is not None and not 0 <= slot < self.n_slots:
+                    raise BackendError(f"stream_experts: cache slot {slot} of {self.n_slots}")
+                parts = self._device_parts(layer, expert, gate, up, down, "stream_experts")
+                used = False
+                if slot is None:
+                    slot = self.n_slots + (layer % 2) * self.n_stream + len(s["slots"])
+                    s["slots"][expert] = slot
+                else:
+                    used = self._owner[slot] is not None
+                    self._own(slot, layer, expert)
+                self._copy_into(slot, parts, (layer, expert, slot), after_launches=used, batch=self._copies)
+                s["keep"].append(parts)
+                s["n"] += 1
+                s["bytes"] += sum(x.nbytes for x in parts)
+        finally:           # the copies of the items before a bad one go too: their slots are taken
+            self._copies.flush(self.side, "streamed experts of layer %d", layer)
 
     @_guarded
     def stream_close(self, layer: int) -> None:

@@ -180,6 +180,86 @@ def memcpy_htod_async(dst: int, src_ptr: int, nbytes: int, stream: Stream, what:
     stream.prev_kernel = False
 
 
+class CopyBatch:
+    """Host-to-device copies enqueued by one driver call (cuMemcpyBatchAsync, CUDA 12.8+): a streamed layer's
+    hundreds of expert copies cost the loop's thread one call, not one each. `probe()` (once per process, with a
+    context current) copies through it and reads the bytes back; where the driver or the bindings lack it, or the
+    check fails, every batch goes as one cuMemcpyHtoDAsync a copy and `why` says so."""
+
+    ok: bool | None = None
+    why = "not probed"
+
+    @classmethod
+    def probe(cls) -> bool:
+        if cls.ok is None:
+            cls.ok, cls.why = cls._probe()
+        return cls.ok
+
+    @classmethod
+    def _probe(cls) -> tuple[bool, str]:
+        if not hasattr(cu, "cuMemcpyBatchAsync"):
+            return False, "cuda-bindings has no cuMemcpyBatchAsync"
+        n = 64
+        host = HostBuffer(2 * n, what="batch copy probe")
+        stream = Stream()
+        dev = check(cu.cuMemAlloc(2 * n), "cuMemAlloc(batch copy probe)")
+        try:
+            src = host.array(np.uint8, (2 * n,))
+            src[:] = np.arange(2 * n, dtype=np.uint8)
+            try:         # the halves swapped: each copy lands where its own pointers say
+                cls._enqueue([int(dev) + n, int(dev)], [host.ptr, host.ptr + n], [n, n], stream)
+            except (CudaError, TypeError, ValueError) as e:
+                return False, f"cuMemcpyBatchAsync failed ({e})"
+            stream.synchronize("batch copy probe")
+            back = np.empty(2 * n, np.uint8)
+            check(cu.cuMemcpyDtoH(back.ctypes.data, dev, 2 * n), "cuMemcpyDtoH(batch copy probe)")
+            if not (np.array_equal(back[:n], src[n:]) and np.array_equal(back[n:], src[:n])):
+                return False, "cuMemcpyBatchAsync copied the wrong bytes"
+            return True, "one cuMemcpyBatchAsync a batch"
+        finally:
+            check(cu.cuMemFree(dev), "cuMemFree(batch copy probe)")
+            stream.destroy()
+            host.free()
+
+    @staticmethod
+    def _enqueue(dsts, srcs, sizes, stream: "Stream") -> None:
+        attr = cu.CUmemcpyAttributes()   # source read in stream order: the blob is pinned and lives until done
+        attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attr.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        ptr = cu.CUdeviceptr
+        check(cu.cuMemcpyBatchAsync([ptr(d) for d in dsts], [ptr(s) for s in srcs], list(sizes), len(sizes),
+                                    [attr], [0], 1, stream.handle), "cuMemcpyBatchAsync (%d copies)", len(sizes))
+
+    def __init__(self):
+        self.dsts: list[int] = []
+        self.srcs: list[int] = []
+        self.sizes: list[int] = []
+
+    def add(self, dst: int, src_ptr: int, nbytes: int) -> None:
+        self.dsts.append(dst)
+        self.srcs.append(src_ptr)
+        self.sizes.append(nbytes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def flush(self, stream: "Stream", what: str, *args) -> None:
+        """Enqueue the copies added since the last flush on `stream`."""
+        if not self.sizes:
+            return
+        dsts, srcs, sizes = self.dsts, self.srcs, self.sizes
+        self.dsts, self.srcs, self.sizes = [], [], []      # a failed batch is not retried by the next flush
+        if self.ok:
+            try:
+                self._enqueue(dsts, srcs, sizes, stream)
+            except CudaError as e:
+                raise CudaError(f"{e} ({what % args if args else what}, {sum(sizes)} B)") from None
+            stream.prev_kernel = False
+        else:
+            for d, s, n in zip(dsts, srcs, sizes):
+                memcpy_htod_async(d, s, n, stream, what, *args)
+
+
 def memcpy_dtoh_async(dst_ptr: int, src: int, nbytes: int, stream: Stream, what: str, *args) -> None:
     (res,) = cu.cuMemcpyDtoHAsync(dst_ptr, src, nbytes, stream.handle)
     if res != cu.CUresult.CUDA_SUCCESS:
