@@ -92,6 +92,7 @@ async def run(a: argparse.Namespace, trace: str) -> None:
         async for c in e.generate(a.prompt, SamplingParams(max_tokens=a.tokens, stop_at_eos=False)):
             times.append(time.perf_counter())
         hits, looks = sum(s.cache.hits.values()) - hits0, sum(s.cache.lookups.values()) - looks0
+        e.flush_trace()
         report(a, s, trace, c, times, hits, looks)
         if a.profile:             # another request of the same length, under the profiler (after the report: the
             prof = cProfile.Profile()           # trace's last request is the measured one until then)

@@ -158,6 +158,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                              if c > dmodes.get(m, 0)}            # its one-row steps: mapped or split
                 if kind == "decode":     # the last chunk: the finish marker
                     r["decode_ms"] = float(np.median(np.diff(stamps[:-1])) * 1e3)
+                    eng.flush_trace()
                     print(f"strata decode {n}, the request's trace:\n{decode_trace()}", file=sys.stderr, flush=True)
                 looks = sum(cache.lookups.values()) - looks0
                 if looks:                # the request's VRAM cache hit rate (prompt and decode rows)

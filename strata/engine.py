@@ -297,6 +297,11 @@ class Engine:
         """preload_experts() for scripts (runs the engine's own event loop)."""
         return self._sync_loop().run_until_complete(self.preload_experts(progress))
 
+    def flush_trace(self) -> None:
+        """Block until every step record so far is in the trace file (records are written by a thread): for a
+        reader of the file while the engine runs; closing the engine flushes too."""
+        self.scheduler.tracer.flush()
+
     async def aclose(self) -> None:
         await self.scheduler.aclose()
 

@@ -123,7 +123,10 @@ async def test_engine_trace_partitions_each_step(tiny_gguf, tmp_path, capsys, ex
     async with await Engine.open(tiny_gguf, trace=path, host=HostConfig(experts=experts, ple_cache_bytes=0)) as e:
         async for _ in e.generate("Once upon a time", SamplingParams(max_tokens=5, stop_at_eos=False)):
             pass
+        e.flush_trace()                          # the records are in the file while the engine runs
+        live = load(str(path))
     recs = load(str(path))
+    assert live == recs
     n_prompt = len(e.prompt_ids("Once upon a time"))
     assert [(r["kind"], r["T"]) for r in recs] == [("prefill", n_prompt)] + [("decode", 1)] * 4
     assert recs[0]["rows"] == [[recs[0]["rows"][0][0], "prompt", n_prompt, 0]]
@@ -177,3 +180,44 @@ def test_gc_pauses_are_recorded_and_summarized():
     assert (p.gc_n, p.gc_ms, p.gc_max_ms) == (3, pytest.approx(1.5), pytest.approx(2.0))
     assert p.ms["total"] == pytest.approx(10)            # pauses lie inside the spans: the partition is unchanged
     assert "Python's collector: 3 runs, 1.500 ms/step of pauses" in format_summary([p])
+
+
+def test_records_are_written_by_a_thread(tmp_path):
+    """emit hands the step to the writer thread; flush makes everything emitted so far readable, in order (steps
+    and prefix events); a write that fails is raised by the next emit, naming the file, and nothing hangs."""
+    import threading
+
+    from strata.host.trace import StepTrace, Tracer, clock
+    path = tmp_path / "t.jsonl"
+    tr = Tracer(str(path))
+    main = threading.get_ident()
+    seen = []
+    real = StepTrace.record
+
+    def record(self):
+        seen.append(threading.get_ident())
+        return real(self)
+    try:
+        StepTrace.record = record
+        for i in range(3):
+            t0 = clock()
+            st = StepTrace(i + 1, [[7, "decode", 1, 10 + i]], t0)
+            st.span("sample", -1, t0, t0 + 1e-4)
+            st.t1 = t0 + 2e-4
+            tr.emit(st)
+            if i == 1:
+                tr.prefix(7, 5, 9)
+        tr.flush()
+        recs = load(str(path))
+        assert [r["step"] for r in recs] == [1, 2, 3] and [r["rows"][0][3] for r in recs] == [10, 11, 12]
+        assert load(str(path), "prefix") == [{"event": "prefix", "req": 7, "reused": 5, "prompt": 9}]
+        assert seen and main not in seen
+        tr._log = type("Broken", (), {"info": lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))})()
+        tr.emit(StepTrace(4, [], clock()))
+        tr.flush()
+        with pytest.raises(OSError, match="t.jsonl could not be written: disk full"):
+            tr.emit(StepTrace(5, [], clock()))
+    finally:
+        StepTrace.record = real
+        tr.close()
+    assert len(load(str(path))) == 3
