@@ -548,7 +548,7 @@ def test_scheduler_batched_prefill(case):
     _check(f"{spec.name} scheduler batched", out, ref)
 
 
-def test_scheduler_streamed_prefill(case):
+def test_scheduler_streamed_prefill(case, monkeypatch):
     """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
     the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by one-row
     steps first) used in place and kept; every position against transformers, and against the split path (CPU
@@ -598,6 +598,10 @@ def test_scheduler_streamed_prefill(case):
         if mode == "always":                                      # a streamed prompt evicts nothing (it may fill
             assert cached.items() <= be._slot_of.items()          # free slots)
         return np.asarray(rest), opened, times, cached, [np.asarray(r) for r in routes]
+    batches = []                          # the streamed copies go as batches, one driver call a stream_experts
+    real_enqueue = drv.CopyBatch._enqueue
+    monkeypatch.setattr(drv.CopyBatch, "_enqueue",
+                        staticmethod(lambda d, s, n, stream: (batches.append(len(n)), real_enqueue(d, s, n, stream))))
     streamed, opened, times, cached, routes = run("always")
     split, opened_split, _, _, split_routes = run("never")
     assert len(routes) == len(split_routes) == len(times) > 0
@@ -613,6 +617,8 @@ def test_scheduler_streamed_prefill(case):
         assert all(x[3] > 0 for x in t if x[1])
         assert all(x[5] > 0 and x[6] > 0 for x in t)                 # pre and post timed on the device
     assert sum(x[1] for x in times[0]) > 0
+    assert drv.CopyBatch.ok, drv.CopyBatch.why
+    assert sum(batches) >= sum(x[1] for t in times for x in t) and len(batches) < sum(batches)
 
 
 def test_scheduler_mapped_decode(case):
