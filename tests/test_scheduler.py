@@ -379,3 +379,53 @@ def test_cpu_pool_row_splits_match_reference(n_experts, threads):
         mats = [Mat("m", QType.Q2_0, raw, s.rows, s.n_in) for raw, s in zip((b.gate, b.up, b.down), slices)]
         got = res.parts[res.offsets[j]:res.offsets[j + 1]]
         assert np.array_equal(got, expert_ffn(*mats, X[rows[j]])), f"expert {j}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("whole", [False, True])
+async def test_a_steps_deliveries_follow_the_next_launch(whole, realistic_gguf, tmp_path, monkeypatch):
+    """A decode token reaches its stream after the next step's first launch (the step's tail runs while the
+    device computes); the stream still carries every token in order, then the end, and the trace has the tail's
+    spans with the step's parts summing to its wall."""
+    import asyncio
+
+    from strata.host.trace import load, summarize
+    from strata.sampling import SamplingParams
+    model = load_model(realistic_gguf)
+    log: list[tuple] = []
+    base = WholeOnCpu if whole else CpuBackend
+
+    class Logged(base):
+        def launch_pre(self, layer):
+            if layer == 0:
+                log.append(("launch",))
+            return super().launch_pre(layer)
+
+        def launch_whole(self, step, e):
+            log.append(("launch",))
+            return super().launch_whole(step, e)
+    n = 6
+    ref = Engine.open_sync(realistic_gguf)
+    want = [c async for c in ref.generate([3, 17, 42], SamplingParams(max_tokens=n, stop_at_eos=False))]
+    await ref.aclose()
+    real_put = asyncio.Queue.put_nowait
+    monkeypatch.setattr(asyncio.Queue, "put_nowait",
+                        lambda q, ev: (log.append(("put", type(ev).__name__)), real_put(q, ev))[1])
+    path = tmp_path / "t.jsonl"
+    eng = Engine(model, backend=Logged(model), trace=path)
+    try:
+        assert eng.scheduler.whole == whole
+        got = [c async for c in eng.generate([3, 17, 42], SamplingParams(max_tokens=n, stop_at_eos=False))]
+    finally:
+        await eng.aclose()
+    assert [c.token for c in got] == [c.token for c in want] and len(got) == n + 1 and got[-1].finish_reason
+    steps = [i for i, e in enumerate(log) if e == ("launch",)]
+    puts = [i for i, e in enumerate(log) if e == ("put", "TokenOut")]
+    assert len(puts) == n and log.index(("put", "Finished")) > puts[-1]
+    assert len(steps) == n         # the prompt's step (its logits give token 0), then n - 1 decode steps
+    for k in range(n - 1):         # token k, sampled from step k's logits, reaches the stream after launch k + 1
+        assert steps[k + 1] < puts[k] < (steps[k + 2] if k + 2 < n else len(log)), (k, log)
+    recs = [r for r in load(str(path)) if r["kind"] == "decode"]
+    assert sum(1 for r in recs for s in r["spans"] if s[0] == "tail") >= n - 2
+    for p in summarize(recs):
+        assert sum(v for k, v in p.ms.items() if k != "total") == pytest.approx(p.ms["total"], rel=1e-6)

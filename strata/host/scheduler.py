@@ -351,6 +351,11 @@ class Scheduler:
         self._live: set[Request] = set()
         self._ids = 0
         self._steps = 0
+        self._holding = False                     # _deliver holds events for the step's tail (_held, in order)
+        self._held: list[tuple[Request, object]] = []
+        self._tail = None                         # the last step's tail, run after the next launch
+        self._tail_error: Exception | None = None  # a tail that failed outside a step: the next step fails with it
+        self._mapped_tail = None                  # a mapped token's counts, for its step's tail
         self._driver: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -453,6 +458,7 @@ class Scheduler:
         self._shut = True
         if self._closed is None:
             self._closed = EngineClosed("the engine is closed")
+        self._run_tail(quiet=True)
         for req in {*self._active, *self._current}:
             self._deliver(req, EngineClosed(str(self._closed)))
             self._release(req)
@@ -493,6 +499,7 @@ class Scheduler:
         while True:
             plan = self._plan_step()
             if not plan:
+                self._run_tail(quiet=True)       # nothing to launch: the last step's deliveries go now
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
@@ -503,6 +510,7 @@ class Scheduler:
             try:
                 t_end = await self._step(plan, t_free)
             except BackendError as e:            # the device is gone: every stream gets it, the engine closes
+                self._run_tail(quiet=True)
                 self._fail(list({*self._current, *self._active}), e)
                 self._active.clear()
                 self._closed = EngineClosed(f"the engine stopped: the {self.backend.name} backend failed: {e}")
@@ -510,6 +518,7 @@ class Scheduler:
                 self.shutdown()
                 return
             except Exception as e:               # the step's own failure (an I/O error, the CPU pool): its requests
+                self._run_tail(quiet=True)
                 self._fail(self._current, e)
             finally:
                 self._current = []
@@ -604,6 +613,7 @@ class Scheduler:
 
     def _fail(self, reqs: list[Request], e: BaseException) -> None:
         """Each request gets its own error (one exception instance per stream) and is released."""
+        self._flush_held()
         for r in reqs:
             err = EngineError(f"request {r.id} failed at position {r.pos}: {type(e).__name__}: {e}")
             err.__cause__ = e
@@ -611,8 +621,44 @@ class Scheduler:
             self._release(r)
 
     def _deliver(self, req: Request, ev) -> None:
-        if not req.released:
+        if req.released:
+            return
+        if self._holding:
+            self._held.append((req, ev))
+        else:
             req.queue.put_nowait(ev)
+
+    def _flush_held(self) -> None:
+        held, self._held, self._holding = self._held, [], False
+        for req, ev in held:
+            if not req.released:
+                req.queue.put_nowait(ev)
+
+    # A step's tail: what it produced that the next launch does not need (the requests' tokens and progress handed
+    # to their streams, their time accounts, the mapped token's cache counts, the trace record) runs after the next
+    # step's first launch, while the device computes (the "tail" span), or at once when no step follows, a step
+    # fails or a request finishes (its tokens then precede its end). The next token's launch waits only for its
+    # sampling and its PLE rows.
+    def _set_tail(self, fn) -> None:
+        self._run_tail(quiet=True)
+        self._tail = fn
+
+    def _run_tail(self, st: StepTrace | None = None, quiet: bool = False) -> None:
+        """quiet: outside a step (idle, a failed step, shutdown) a failure of the tail (the trace file's write) is
+        kept for the next step, which fails with it, instead of ending the driver."""
+        fn, self._tail = self._tail, None
+        t0 = clock()
+        try:
+            if fn is not None:
+                fn()
+        except Exception as e:
+            if not quiet:
+                raise
+            self._tail_error = e
+        finally:
+            self._flush_held()
+            if st is not None and fn is not None:
+                st.span("tail", -1, t0, clock())
 
     def _release(self, req: Request) -> None:
         if req.released:
@@ -633,6 +679,9 @@ class Scheduler:
     async def _step(self, plan: list[tuple[Request, list[int], str]], t0: float) -> float:
         """Run one step and hand each request what it produced; returns when the step ended."""
         self._steps += 1
+        if self._tail_error is not None:         # the last step's records could not be written (the trace file)
+            e, self._tail_error = self._tail_error, None
+            raise e
         self.model.file.check_unchanged()        # a file changed under the engine fails this step's requests only
         st = StepTrace(self._steps, [[r.id, "prompt" if r.prefilling else "decode", len(t), r.pos]
                                      for r, t, _ in plan], t0)
@@ -650,6 +699,8 @@ class Scheduler:
         t_s = clock()
         at = 0                                   # next row of logits
         finished: list[tuple[Request, str]] = []
+        accounts: list[Request] = []
+        self._holding = True                     # the rows' events go with the tail (flushed before any end)
         for req, toks, mode in plan:
             n_logits = {"last": 1, "all": len(toks), "none": 0}[mode]
             rows, at = logits[at:at + n_logits], at + n_logits
@@ -670,21 +721,44 @@ class Scheduler:
                 continue
             except Exception as e:               # its own sampler: this request only
                 self._fail([req], e)
+                self._holding = True
                 continue
-            self._account(req, st, t_s)
+            accounts.append(req)
             if done:
                 finished.append((req, done))
+        held, self._held, self._holding = self._held, [], False
         t_f = clock()
         st.span("sample", -1, t_s, t_f)
-        for req, done in finished:               # its own span: a snapshot of the state can take ~100 ms
-            if req.sampler is not None:
-                self._keep_prefix(req)           # the conversation so far: the next turn starts with it
-            self._deliver(req, Finished(done, req.generated, req.timings()))
-            self._release(req)
-        if finished:
+        mapped_tail, self._mapped_tail = self._mapped_tail, None
+
+        def deliver() -> None:
+            for req, ev in held:
+                if not req.released:
+                    req.queue.put_nowait(ev)
+
+        def records() -> None:
+            if mapped_tail is not None:
+                mapped_tail()
+            for req in accounts:
+                self._account(req, st, t_s)
+            self.tracer.emit(st)
+        if finished:                             # a request's end follows its tokens: no tail
+            self._run_tail(quiet=True)
+            for req in accounts:                 # its end's timings count this step
+                self._account(req, st, t_s)
+            accounts = []
+            deliver()
+            for req, done in finished:           # its own span: a snapshot of the state can take ~100 ms
+                if req.sampler is not None:
+                    self._keep_prefix(req)       # the conversation so far: the next turn starts with it
+                self._deliver(req, Finished(done, req.generated, req.timings()))
+                self._release(req)
             st.span("finish", -1, t_f, clock())
-        st.t1 = clock()
-        self.tracer.emit(st)
+            st.t1 = clock()
+            records()
+        else:
+            st.t1 = clock()
+            self._set_tail(lambda: (deliver(), records()))
         if st.kind in self.freeze_after:         # what the first step of a kind made lives for good (lazy
             self.freeze_after.discard(st.kind)   # imports, compiled kernels, captured graphs): out of the
             gc.freeze()                          # collector's full passes too (Engine(freeze_gc))
@@ -793,6 +867,9 @@ class Scheduler:
                 be.launch_pre(il)
                 t1 = clock()
                 st.span("pre_launch", il, t0, t1)
+                if il == 0:
+                    self._run_tail(st)         # the last step's deliveries and records, beside pre[0]
+                    t1 = clock()
                 if stream:    # post[il] needs its layer's copies enqueued, not its route: no doorbell round trip
                     if il + 1 < n:     # post[il - 1], the last reader of its buffer, is launched
                         if il + STREAM_AHEAD < n:
@@ -927,7 +1004,8 @@ class Scheduler:
         st.span("token_launch", -1, t0, t1)
         if after_launch is not None:
             after_launch()
-            t1 = clock()
+        self._run_tail(st)                             # the last step's deliveries and records, beside the graph
+        t1 = clock()
         # the graph takes about as long as the last ones did: sleep through most of it (the loop's timers are
         # ~1 ms coarse), then poll; a backoff alone would overshoot a 9 ms graph by up to its last sleep
         est = self._whole_s.get(step.T, 0.0)
@@ -1000,16 +1078,20 @@ class Scheduler:
         self._map_routes = (ids, res)                  # the LRU's recency is updated with the promotions
         pref = getattr(be, "token_prefetch", None)     # mapped_reads="prefetch" (CUDA)
         got = pref() if pref is not None else None
-        if got is not None:
-            misses, predicted, fetched, nbytes = got
-            st.prefetch_issued(fetched, nbytes)
-            st.prefetch_used(misses, predicted)
-        self.cache.count_token(ids, res)
-        k = ids.shape[1]
-        hits = res.sum(axis=1).tolist()
-        st.experts.extend((il, k, h, 0, 0, 0, 0, k - h, 0) for il, h in enumerate(hits))
-        st.mapped_read(cfg.n_layer * k - sum(hits), sum((k - h) * self._blob_bytes[il] for il, h in enumerate(hits)))
         self._observe(1, "mapped", clock() - t_begin)
+
+        def counts() -> None:                          # the step's tail: what the device state was read for
+            if got is not None:
+                misses, predicted, fetched, nbytes = got
+                st.prefetch_issued(fetched, nbytes)
+                st.prefetch_used(misses, predicted)
+            self.cache.count_token(ids, res)
+            k = ids.shape[1]
+            hits = res.sum(axis=1).tolist()
+            st.experts.extend((il, k, h, 0, 0, 0, 0, k - h, 0) for il, h in enumerate(hits))
+            st.mapped_read(cfg.n_layer * k - sum(hits),
+                           sum((k - h) * self._blob_bytes[il] for il, h in enumerate(hits)))
+        self._mapped_tail = counts
         return logits
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:

@@ -5,6 +5,8 @@ post graphs, the doorbell, the waits for I/O, the CPU pool and uploads, sampling
 residual 'other/host' makes the parts sum to the step's wall time exactly. I/O reads and CPU-pool batches run
 in threads beside the driver; their intervals are listed separately and the summary measures how much of them
 overlapped a device interval (hidden work). Times are ms since the process's trace origin, rounded to 1 us.
+A step's events reach the requests' streams, and its record is written, in the next step's "tail" span: after
+that step's first launch, while the device computes (at once when no step follows or a request ends).
 A step carries T rows: prompt chunks and decoding tokens of any number of requests; its kind is "prefill" (prompt
 rows only), "decode" (decode rows only) or "mixed".
 
@@ -72,14 +74,15 @@ _ORIGIN = time.perf_counter()
 
 # span kinds: what the driver was doing, in the table's order; DEVICE spans are device intervals as the host saw
 # them (launch call -> completion seen), WAITS are host waits on I/O, the CPU pool or PCIe uploads
-DEVICE = ("pre_launch", "doorbell", "lag_wait", "post_launch", "head_launch", "head_wait", "token_launch",
+DEVICE = ("pre_launch", "tail", "doorbell", "lag_wait", "post_launch", "head_launch", "head_wait", "token_launch",
           "promote", "token_wait")
 WAITS = ("ple_wait", "io_wait", "cpu_wait", "upload", "stream_wait")
 HOST = ("sample", "finish")
 KINDS = ("ple_wait", "pre_launch", "doorbell", "lag_wait", "io_wait", "cpu_wait", "upload", "stream_wait",
-         "post_launch", "head_launch", "head_wait", "token_launch", "promote", "token_wait", "sample", "finish")
+         "post_launch", "head_launch", "head_wait", "token_launch", "promote", "tail", "token_wait", "sample", "finish")
 LABELS = {
     "ple_wait": "PLE rows: read wait", "pre_launch": "pre graph: launch",
+    "tail": "tail: last step's events",
     "doorbell": "post[l-1] + pre[l]: doorbell wait",
     "lag_wait": "streamed: post[l-2] wait (pre[l] next)",
     "io_wait": "experts: read wait", "cpu_wait": "experts: CPU pool wait", "upload": "experts: upload (PCIe)",
@@ -87,7 +90,7 @@ LABELS = {
     "post_launch": "post graph: launch", "head_launch": "head: launch",
     "head_wait": "post[last] + head: wait", "token_launch": "whole-token graph: launch",
     "promote": "graph running: cache promotions",
-    "token_wait": "whole-token graph: wait", "sample": "sample + deliver",
+    "token_wait": "whole-token graph: wait", "sample": "sample (delivered in the tail)",
     "finish": "requests finishing (prefix kept)", "other": "other/host (residual)",
 }
 
