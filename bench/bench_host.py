@@ -103,6 +103,11 @@ async def run(a: argparse.Namespace, trace: str) -> None:
             for key in ("tottime", "cumulative"):
                 print(f"profile of a second request of {a.tokens} tokens, the {a.profile} costliest by {key}:")
                 pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats(key).print_stats(a.profile)
+            # what the launch and the step's bookkeeping call, driver calls included (a launch's time is the
+            # host's between two tokens: which of its parts is Python and which the driver's)
+            stats = pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats("cumulative")
+            for fn in ("launch_whole", "_sync_ptab", "_stage_token", "_after_rows", "_forward_mapped"):
+                stats.print_callees(fn)
 
 
 def report(a: argparse.Namespace, s, trace: str, c, times: list[float], hits: int, looks: int) -> None:
