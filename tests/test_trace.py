@@ -221,3 +221,16 @@ def test_records_are_written_by_a_thread(tmp_path):
         StepTrace.record = real
         tr.close()
     assert len(load(str(path))) == 3
+
+
+def test_records_emitted_before_exit_are_written(tmp_path):
+    """A process that exits without closing its engine's tracer still writes every record it emitted."""
+    import subprocess
+    import sys
+    path = tmp_path / "t.jsonl"
+    code = ("from strata.host.trace import Tracer, StepTrace, clock\n"
+            f"tr = Tracer({str(path)!r})\n"
+            "for i in range(200):\n"
+            "    t0 = clock(); st = StepTrace(i, [[1, 'decode', 1, i]], t0); st.t1 = t0; tr.emit(st)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert [r["step"] for r in load(str(path))] == list(range(200))

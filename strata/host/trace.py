@@ -56,6 +56,7 @@ rows only), "decode" (decode rows only) or "mixed".
 
 from __future__ import annotations
 
+import atexit
 import gc
 import io
 import json
@@ -273,6 +274,7 @@ class Tracer:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._write, name="strata-trace", daemon=True)
             self._thread.start()
+            atexit.register(self.flush)          # a process that never closed its engine still gets every record
 
     def _write(self) -> None:
         while True:
@@ -316,6 +318,7 @@ class Tracer:
 
     def close(self) -> None:
         if self._file is not None:
+            atexit.unregister(self.flush)
             if self._thread.is_alive():
                 self._queue.put(None)
                 self._thread.join()
