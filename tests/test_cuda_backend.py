@@ -91,6 +91,12 @@ def test_copy_batch(device, batched, monkeypatch):
         back = np.empty(total, np.uint8)
         check(cu.cuMemcpyDtoH(back.ctypes.data, d, total), "cuMemcpyDtoH")
         assert np.array_equal(back, want)
+        batch.add(d, host.ptr, 64, stream)       # one destination twice (a slot loaded, evicted, loaded again):
+        batch.add(d, host.ptr + 100, 64, stream)  # the later copy's bytes stay, whatever order a batch runs in
+        batch.flush(stream, "test")
+        stream.synchronize("test")
+        check(cu.cuMemcpyDtoH(back.ctypes.data, d, 64), "cuMemcpyDtoH")
+        assert np.array_equal(back[:64], src[100:164])
         if device == "emu":              # a copy outside any allocation: the batch's error names it
             batch.add(d + total + (1 << 30), host.ptr, 16)
             with pytest.raises(drv.CudaError, match="test streamed 7, 16 B"):

@@ -132,7 +132,11 @@ def test_cache_bookkeeping_is_one_map(monkeypatch):
         layer, expert, slot = int(rng.integers(n_layer)), int(rng.integers(n_exp)), int(rng.integers(n_slots))
         if (layer, expert) in be._slot_of:
             continue
+        n0 = len(copies)
         be.load_expert(layer, expert, slot, *blob(be, qt, E, Fn, True, seed=i))
+        assert len(copies) == n0                     # queued: loads_done (or the next post) sends them
+        be.loads_done()
+        assert len(copies) == n0 + 3
         held = {s: k for s, k in held.items() if k != (layer, expert)}
         held[slot] = (layer, expert)
         want = np.zeros((n_layer, n_exp), bool)
@@ -196,6 +200,7 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be._sync_ptab()                                     # nothing loaded: every entry is the host's
     assert np.array_equal(be.ptab, be._host_addr) and copies[-1][:3] == (1 << 30, 1 << 20, n_layer * rb)
     be.load_expert(2, 5, 1, *blob(be, qt, E, Fn, True, seed=1))
+    be.loads_done()
     copies.clear()
     be._sync_ptab()                                     # its copy is in flight: still read from host memory
     assert np.array_equal(be.ptab[2, 5], be._host_addr[2, 5]) and be._pend_turns == {0}
@@ -207,6 +212,7 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be._sync_ptab()                                     # done: layer 2's row now points at slot 1
     assert np.array_equal(be.ptab[2, 5], dev(1)) and be._eff[2, 5] and not be._pend_turns
     be.load_expert(3, 0, 1, *blob(be, qt, E, Fn, True, seed=2))     # slot 1 goes to (3, 0): (2, 5) evicted
+    be.loads_done()
     copies.clear()
     be._sync_ptab()
     assert np.array_equal(be.ptab[2, 5], be._host_addr[2, 5]) and np.array_equal(be.ptab[3, 0], be._host_addr[3, 0])
@@ -226,7 +232,9 @@ def test_mapped_table_follows_the_loads(monkeypatch):
     be.load_expert(1, 2, 2, *parts)
     be.load_expert(1, 3, 0, *blob(be, qt, E, Fn, True, seed=4))
     assert be.ev_prom[0].recorded == 1 and be._prom_state == "open"
-    be._sync_ptab()
+    copies.clear()
+    be._sync_ptab()                                     # queued loads go before the event that marks them
+    assert [c[3] for c in copies] == ["expert uploads"] * 6 + ["expert address table"]
     assert be._prom_state == (2, 2 * sum(p.nbytes for p in parts)) and be.ev_prom[1].recorded == 1
     be._harvest_promotions()
     assert be._prom_last is None                         # not completed yet

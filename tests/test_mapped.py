@@ -15,7 +15,7 @@ from strata.host.experts import ExpertLayout, VramCache
 from strata.host.scheduler import MODE_RETRY, HostConfig, Scheduler, retry_interval
 from strata.host.trace import Tracer, format_summary, load, summarize
 from strata.model.loader import load_model
-from test_scheduler import TOKENS, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
+from test_scheduler import TOKENS, QueuedOnCpu, assert_parity, realistic_gguf  # noqa: F401  (its fixture)
 
 
 class Spy(CpuBackend):
@@ -34,6 +34,12 @@ class Spy(CpuBackend):
     def load_expert(self, layer, expert, slot, gate, up, down):
         self.loads.append((self.launches, layer, expert, slot))
         super().load_expert(layer, expert, slot, gate, up, down)
+
+
+def _mapped_rows(model, be, slots: int) -> Scheduler:
+    """Every row a mapped token, under a budget of `slots` experts' blobs."""
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    return Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=slots * blob, map_experts="always"))
 
 
 async def _preload(sched: Scheduler) -> None:
@@ -69,6 +75,22 @@ async def test_mapped_tokens_keep_parity(mix, exact, tiny_gguf, realistic_gguf):
             if expert in ids[layer]:
                 assert not r[layer][list(ids[layer]).index(expert)]
         assert sched.pool.threads._work_queue.qsize() == 0 and sched.cache.uploads == len(be.loads)
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_promotions_go_as_one_batch(realistic_gguf):
+    """A backend that queues load_expert's copies (as CUDA's do, one driver call a batch) gets each token's
+    promotions sent by loads_done once they are all queued: no launch has to send them itself, and the logits
+    stay exact (a queued slot holds 0xFF bytes until sent)."""
+    model = load_model(realistic_gguf)
+    be = QueuedOnCpu(model, 32)
+    sched = _mapped_rows(model, be, 32)
+    try:
+        await _preload(sched)
+        await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
+        assert sched.cache.uploads > 0 and be.done_calls > 0 and be.left_at_launch == 0
     finally:
         await sched.aclose()
 
@@ -146,9 +168,8 @@ async def test_mapped_then_split_rows_read_the_same_cache(realistic_gguf):
     """Mapped rows fill the cache; rows forced to the split (map_experts="never" from then on) use those slots as
     VRAM hits (the twin computes them from its slot copies) and the logits stay exact."""
     model = load_model(realistic_gguf)
-    blob = ExpertLayout.from_model(model).blob_bytes(0)
     be = Spy(model, 16)
-    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=16 * blob, map_experts="always"))
+    sched = _mapped_rows(model, be, 16)
     try:
         await _preload(sched)
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS[:8])

@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from strata.engine import Engine
 from strata.host.cells import Cells, numpy_chunks
-from strata.host.backend import CpuBackend, ExpertPlan
+from strata.host.backend import CpuBackend, ExpertPlan, _Copy
 from strata.host.scheduler import EngineError
 from strata.host.experts import CpuExpertPool, ExpertBlob, ExpertSlice, MissCosts, VramCache
 from strata.host.scheduler import HostConfig, Scheduler
@@ -63,6 +63,43 @@ class CellsOnCpu(VramOnCpu):
     def load_expert(self, layer, expert, slot, gate, up, down):
         assert all(self.cells.owns(m) for m in (gate, up, down)), "an uploaded blob is not in a cell"
         super().load_expert(layer, expert, slot, gate, up, down)
+
+
+class QueuedOnCpu(VramOnCpu):
+    """VramOnCpu whose uploads are queued as the CUDA backend's are (load_expert owns the slot at once; the bytes
+    land at loads_done, or at the next post or mapped token, which send what is left): until then the slot holds
+    0xFF bytes, so a post that read it early would break the logits. left_at_launch counts the loads a launch had
+    to send itself, the ones the host did not send when it was done uploading."""
+
+    def __init__(self, model, slots: int):
+        super().__init__(model, slots)
+        self.queued: list[tuple[int, object]] = []
+        self.left_at_launch = self.done_calls = 0
+
+    def load_expert(self, layer, expert, slot, gate, up, down):
+        super().load_expert(layer, expert, slot, gate, up, down)
+        self.queued.append((slot, self._slot_copy[slot]))
+        self._slot_copy[slot] = _Copy(*(np.full_like(v, 0xFF) for v in (gate, up, down)))
+
+    def loads_done(self):
+        self.done_calls += 1
+        for slot, copy in self.queued:
+            if self._slot_copy[slot] is not None:
+                self._slot_copy[slot] = copy
+        self.queued = []
+
+    def _send_left(self):
+        self.left_at_launch += len(self.queued)
+        self.loads_done()
+        self.done_calls -= 1
+
+    def launch_post(self, plan):
+        self._send_left()
+        return super().launch_post(plan)
+
+    def launch_whole(self, step, e):
+        self._send_left()
+        return super().launch_whole(step, e)
 
 
 class WholeOnCpu(CpuBackend):
@@ -143,7 +180,8 @@ async def test_mapped_experts_keep_parity(mix, exact, tiny_gguf, realistic_gguf)
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("slots,budget_blobs,host_blobs,cells", [(6, 5, None, False), (3, 3, 2, False),
-                                                                  (64, 64, None, False), (3, 3, 2, True)])
+                                                                  (64, 64, None, False), (3, 3, 2, True),
+                                                                  (6, 5, None, "queued")])
 async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, cells, realistic_gguf):
     """Hits, uploads, evictions (a cache smaller than one layer's routing included) and a host store that must
     re-read blobs: the logits stay exact. How misses split depends on measured costs (timing); the first miss
@@ -155,11 +193,13 @@ async def test_vram_cache_paths_keep_parity(slots, budget_blobs, host_blobs, cel
     await sched0.aclose()
     host = HostConfig(vram_budget_bytes=budget_blobs * blob, step_tokens=5,    # several steps: hits can follow
                       host_budget_bytes=None if host_blobs is None else host_blobs * blob)
-    backend = (CellsOnCpu if cells else VramOnCpu)(model, slots)
+    backend = {True: CellsOnCpu, False: VramOnCpu, "queued": QueuedOnCpu}[cells](model, slots)
     sched = Scheduler(model, backend, host)
     try:
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS + TOKENS[:8])
-        if cells:     # blobs were evicted and re-read, yet cells were reused: fewer chunks than reads
+        if cells == "queued":     # the host sent every layer's uploads when it was done with them
+            assert backend.done_calls > 0 and backend.left_at_launch == 0
+        elif cells:   # blobs were evicted and re-read, yet cells were reused: fewer chunks than reads
             assert len(backend.cells._chunks) < sched.store.reads
             assert backend.cells.live <= host_blobs + slots + 16
         assert sched.cache.uploads > 0 and (sched.cache.hit_rate() > 0 or slots < 64)

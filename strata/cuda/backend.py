@@ -526,8 +526,8 @@ class CudaBackend:
             self._stream_keep: list[tuple] = []
             self._stream_log: list[tuple] = []
             self._posted = -1
-            if self.n_stream and drv.CopyBatch.probe() is False:
-                self.log(f"strata.cuda: streamed expert copies go one driver call each: {drv.CopyBatch.why}")
+            if drv.CopyBatch.probe() is False:
+                self.log(f"strata.cuda: expert copies go one driver call each: {drv.CopyBatch.why}")
             self._copies = drv.CopyBatch()
             self.h2d_bytes_per_s = self._measure_h2d()
             # mapped tokens: the table's host mirror, the token's routes, loads whose copies may still run
@@ -1067,10 +1067,17 @@ class CudaBackend:
         if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
         parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
-        self._copy_into(slot, parts, (layer, expert, slot), after_launches=True)
+        self._copy_into(slot, parts, (layer, expert, slot), after_launches=True, batch=self._copies)
         self._loaded.append(parts)                      # kept (a blob's cell) until the copies are done
         self._loaded_slots.append(slot)
         self._own(slot, layer, expert)
+
+    @_guarded
+    def loads_done(self) -> None:
+        """The load_expert copies so far go to the device now, as one batch (cuMemcpyBatchAsync where the driver
+        has it): load_expert only queues them, and the next post, mapped token or stream enqueues what is left."""
+        if self.experts == "host":
+            self._copies.flush(self.side, "expert uploads")
 
     def _own(self, slot: int, layer: int, expert: int) -> None:
         """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
@@ -1114,6 +1121,7 @@ class CudaBackend:
         if self._inflight[i] is not None:               # LOAD_EVENTS layers ago: long done in practice
             self.ev_loads[i].synchronize("expert uploads")
             self._resolve(i)
+        self._copies.flush(self.side, "expert uploads")
         self.ev_loads[i].record(self.side)
         if self.can_map and self._prom_state == "open":     # the promotions' copies end here
             self.ev_prom[1].record(self.side)
@@ -1279,14 +1287,15 @@ class CudaBackend:
             if direct:
                 batch = self._copies
             if after_launches:                                                   # pinned, in device format
-                batch.flush(self.side, COPY_WHAT, *what)
+                if self._mark_needed:            # a wait goes in: the copies before it need not wait too
+                    batch.flush(self.side, COPY_WHAT, *what)
                 self._side_after_launches()
             base = self.slot_buf.ptr + slot * self.slot_bytes
             if one:
-                batch.add(base, src[0], at[2] + parts[2].nbytes)
+                batch.add(base, src[0], at[2] + parts[2].nbytes, self.side)
             else:
                 for p, a, ptr in zip(parts, at, src):
-                    batch.add(base + a, ptr, p.nbytes)
+                    batch.add(base + a, ptr, p.nbytes, self.side)
             if direct:
                 batch.flush(self.side, COPY_WHAT, *what)
             return
@@ -1337,6 +1346,7 @@ class CudaBackend:
         if old is not None and (old["open"] or old["layer"] >= layer):
             raise BackendError(f"stream_open({layer}): layer {old['layer']}'s stream is "
                                f"{'open' if old['open'] else 'newer'}")
+        self._copies.flush(self.side, "expert uploads")    # loads enqueued so far go before the stream's wait
         if layer >= 2:
             if self._posted < layer - 2:
                 raise BackendError(f"stream_open({layer}): post[{layer - 2}], the last reader of its buffer, is not "
@@ -1692,6 +1702,8 @@ class CudaBackend:
         if getattr(self, "_closed", False):             # the scheduler closes its backend; so may its owner
             return
         self._closed = True
+        if getattr(self, "_copies", None) is not None:
+            self._copies = drv.CopyBatch()              # queued copies never run: their cells are freed below
         try:
             self.stream.synchronize("close")
             self.side.synchronize("close")          # uploads and streamed copies read the pinned cells freed below

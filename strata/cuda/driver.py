@@ -234,8 +234,17 @@ class CopyBatch:
         self.dsts: list[int] = []
         self.srcs: list[int] = []
         self.sizes: list[int] = []
+        self._at: set[int] = set()
 
-    def add(self, dst: int, src_ptr: int, nbytes: int) -> None:
+    def add(self, dst: int, src_ptr: int, nbytes: int, stream: "Stream | None" = None) -> None:
+        """A copy to dst. A batch's copies run in no given order, so one to a destination a pending copy starts at
+        (a cache slot loaded twice: an expert promoted, then evicted by a later layer's) first flushes the batch
+        on `stream`, keeping the second write last. Every copy into a slot starts at the slot's base."""
+        if dst in self._at:
+            if stream is None:
+                raise ValueError("CopyBatch.add: a second copy to one destination needs the stream to flush on")
+            self.flush(stream, "expert copies to the same slot")
+        self._at.add(dst)
         self.dsts.append(dst)
         self.srcs.append(src_ptr)
         self.sizes.append(nbytes)
@@ -249,6 +258,7 @@ class CopyBatch:
             return
         dsts, srcs, sizes = self.dsts, self.srcs, self.sizes
         self.dsts, self.srcs, self.sizes = [], [], []      # a failed batch is not retried by the next flush
+        self._at = set()
         if self.ok:
             try:
                 self._enqueue(dsts, srcs, sizes, stream)

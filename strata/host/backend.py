@@ -15,6 +15,9 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
     expert_slots() -> int             how many experts fit the backend's expert cache (0: none)
     load_expert(l, e, slot, g, u, d)  copy expert e of layer l (its three raw weight slices) into a cache slot,
                                       replacing whatever the slot held; the host's cache policy picks the slot
+    loads_done()                      optional: the copies load_expert queued go to the device now, as one batch
+                                      (else the next post or mapped token sends them); the host calls it after a
+                                      layer's uploads, before a wait for a blob's read, and after promotions
     stream_slots() -> int             optional: how many experts of one layer a step may stream (0: none); then
     stream_open(l)                    per layer of a step of several rows, in layer order: layer l's stream buffer
     stream_experts(l, items)          (two buffers, alternating by layer) takes experts copied while the layer

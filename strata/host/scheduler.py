@@ -1118,6 +1118,9 @@ class Scheduler:
                     break
                 blob = self._blobs[il][e]
                 be.load_expert(il, e, slot, blob.gate, blob.up, blob.down)
+        done = getattr(be, "loads_done", None)       # the token's promotions as one batch of copies
+        if done is not None:
+            done()
 
     async def _expert_plan(self, il: int, route: Route, st: StepTrace) -> ExpertPlan:
         """Layer il's routed experts for the step, grouped by expert: VRAM hits stay with the backend, each miss is
@@ -1160,12 +1163,21 @@ class Scheduler:
                             np.concatenate([[0], np.cumsum(pairs[on_cpu])]), cpu_pairs // k) if cpu else None
 
         fetched_bytes, enqueue_s = 0, 0.0
-        for u, slot in up:
+        done = getattr(be, "loads_done", None)       # a backend that queues load_expert's copies sends them then
+        for i, (u, slot) in enumerate(up):
+            if done is not None and i and not blobs[u].done():     # the copies so far run while this blob is read
+                t0 = clock()
+                done()
+                t1 = clock()
+                st.span("upload", il, t0, t1)
+                enqueue_s += t1 - t0
             blob = await self._wait(blobs[u], st, "io_wait", il, "expert %d of layer %d", experts[u], il)
             if u in read_now:
                 self._trace_read(st, blob)
             t0 = clock()
             be.load_expert(il, experts[u], slot, blob.gate, blob.up, blob.down)
+            if done is not None and i == len(up) - 1:
+                done()
             t1 = clock()
             st.span("upload", il, t0, t1)
             enqueue_s += t1 - t0
