@@ -78,29 +78,29 @@ def test_copy_batch(device, batched, monkeypatch):
     stream = drv.Stream()
     try:
         check(cu.cuMemsetD8Async(d, 0, total, stream.handle), "cuMemsetD8Async")
-        batch, at, out, want = drv.CopyBatch(), 0, total, np.zeros(total, np.uint8)
+        batch, at, out, want = drv.CopyBatch(stream), 0, total, np.zeros(total, np.uint8)
         for n in sizes:                  # each source slice to the far end of the destination, in reverse
             out -= n
             batch.add(d + out, host.ptr + at, n)
             want[out:out + n] = src[at:at + n]
             at += n
         assert len(batch) == len(sizes)
-        batch.flush(stream, "test")
+        batch.flush("test")
         assert len(batch) == 0
         stream.synchronize("test")
         back = np.empty(total, np.uint8)
         check(cu.cuMemcpyDtoH(back.ctypes.data, d, total), "cuMemcpyDtoH")
         assert np.array_equal(back, want)
-        batch.add(d, host.ptr, 64, stream)       # one destination twice (a slot loaded, evicted, loaded again):
-        batch.add(d, host.ptr + 100, 64, stream)  # the later copy's bytes stay, whatever order a batch runs in
-        batch.flush(stream, "test")
+        batch.add(d, host.ptr, 64)               # one destination twice (a slot loaded, evicted, loaded again):
+        batch.add(d, host.ptr + 100, 64)         # the later copy's bytes stay, whatever order a batch runs in
+        batch.flush("test")
         stream.synchronize("test")
         check(cu.cuMemcpyDtoH(back.ctypes.data, d, 64), "cuMemcpyDtoH")
         assert np.array_equal(back[:64], src[100:164])
         if device == "emu":              # a copy outside any allocation: the batch's error names it
             batch.add(d + total + (1 << 30), host.ptr, 16)
             with pytest.raises(drv.CudaError, match="test streamed 7, 16 B"):
-                batch.flush(stream, "test streamed %d", 7)
+                batch.flush("test streamed %d", 7)
             assert len(batch) == 0
     finally:
         check(cu.cuMemFree(d), "cuMemFree")

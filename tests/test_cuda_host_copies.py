@@ -48,7 +48,7 @@ def backend(qt, E, Fn, monkeypatch):
     be.load_used, be.load_turn = [False] * cb.LOAD_STAGING, 0
     copies = []
     monkeypatch.setattr(drv.CopyBatch, "ok", False)             # a batch goes as one recorded call a copy
-    be._copies = drv.CopyBatch()
+    be._copies = drv.CopyBatch(be.side)
     monkeypatch.setattr(drv, "memcpy_htod_async",
                         lambda dst, src, n, stream, what, *args: copies.append((dst, src, n, what % args)))
     return be, copies
@@ -81,6 +81,7 @@ def test_expert_copy_paths(qt, E, Fn, pinned, n_copies, monkeypatch):
         assert np.array_equal(p, device_rows(ref, qt, ref.shape[0], n_in))
     slot = 5
     be._copy_into(slot, parts, (0, 3, slot), after_launches=False)
+    be._copies.flush(cb.COPY_WHAT, 0, 3, slot)                  # a pinned cell's copies are queued until a flush
     assert len(copies) == n_copies
     base = be.slot_buf.ptr + slot * be.slot_bytes
     assert all(c[3] == "expert 0.3 -> slot 5" for c in copies)

@@ -528,7 +528,7 @@ class CudaBackend:
             self._posted = -1
             if drv.CopyBatch.probe() is False:
                 self.log(f"strata.cuda: expert copies go one driver call each: {drv.CopyBatch.why}")
-            self._copies = drv.CopyBatch()
+            self._copies = drv.CopyBatch(self.side)     # load_expert's and stream_experts' copies
             self.h2d_bytes_per_s = self._measure_h2d()
             # mapped tokens: the table's host mirror, the token's routes, loads whose copies may still run
             self.mapped = False
@@ -1067,7 +1067,7 @@ class CudaBackend:
         if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
         parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
-        self._copy_into(slot, parts, (layer, expert, slot), after_launches=True, batch=self._copies)
+        self._copy_into(slot, parts, (layer, expert, slot), after_launches=True)
         self._loaded.append(parts)                      # kept (a blob's cell) until the copies are done
         self._loaded_slots.append(slot)
         self._own(slot, layer, expert)
@@ -1077,7 +1077,7 @@ class CudaBackend:
         """The load_expert copies so far go to the device now, as one batch (cuMemcpyBatchAsync where the driver
         has it): load_expert only queues them, and the next post, mapped token or stream enqueues what is left."""
         if self.experts == "host":
-            self._copies.flush(self.side, "expert uploads")
+            self._copies.flush("expert uploads")
 
     def _own(self, slot: int, layer: int, expert: int) -> None:
         """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
@@ -1121,7 +1121,7 @@ class CudaBackend:
         if self._inflight[i] is not None:               # LOAD_EVENTS layers ago: long done in practice
             self.ev_loads[i].synchronize("expert uploads")
             self._resolve(i)
-        self._copies.flush(self.side, "expert uploads")
+        self._copies.flush("expert uploads")
         self.ev_loads[i].record(self.side)
         if self.can_map and self._prom_state == "open":     # the promotions' copies end here
             self.ev_prom[1].record(self.side)
@@ -1270,37 +1270,31 @@ class CudaBackend:
         except ValueError as e:
             raise BackendError(f"{call}: layer {layer} expert {expert}: {e}") from None
 
-    def _copy_into(self, slot: int, parts, what: tuple[int, int, int], after_launches: bool,
-                   batch: drv.CopyBatch | None = None) -> None:
+    def _copy_into(self, slot: int, parts, what: tuple[int, int, int], after_launches: bool) -> None:
         """The expert's three parts into slot `slot` on the side stream: straight from a pinned cell in device
-        format, else through a pinned staging buffer. after_launches: the copy waits for every launch so far
-        (a cache slot that one of them may read); a stream slot's wait is stream_open's. batch: a pinned cell's
-        copies join it (the caller flushes it; copies added before a wait for the launches are flushed ahead of
-        the wait, so they never wait with it). what: (layer, expert, slot), for an error's message."""
+        format (queued in the copy batch, which the caller's flush points send), else through a pinned staging
+        buffer. after_launches: the copy waits for every launch so far (a cache slot that one of them may read;
+        the copies queued before that wait go ahead of it); a stream slot's wait is stream_open's. what: (layer,
+        expert, slot), for an error's message."""
         src = [p.__array_interface__["data"][0] for p in parts]
         at = (0, self.slot_parts[0], self.slot_parts[0] + self.slot_parts[1])
         contiguous = all(p.flags.c_contiguous for p in parts)
         one = contiguous and src[1] - src[0] == at[1] and src[2] - src[0] == at[2]   # laid out as the slot is
         if one and self.cells.owns_span(src[0], at[2] + parts[2].nbytes) or \
                 not one and contiguous and all(self.cells.owns_span(a, p.nbytes) for a, p in zip(src, parts)):
-            direct = batch is None
-            if direct:
-                batch = self._copies
+            batch = self._copies
             if after_launches:                                                   # pinned, in device format
                 if self._mark_needed:            # a wait goes in: the copies before it need not wait too
-                    batch.flush(self.side, COPY_WHAT, *what)
+                    batch.flush(COPY_WHAT, *what)
                 self._side_after_launches()
             base = self.slot_buf.ptr + slot * self.slot_bytes
             if one:
-                batch.add(base, src[0], at[2] + parts[2].nbytes, self.side)
+                batch.add(base, src[0], at[2] + parts[2].nbytes)
             else:
                 for p, a, ptr in zip(parts, at, src):
-                    batch.add(base + a, ptr, p.nbytes, self.side)
-            if direct:
-                batch.flush(self.side, COPY_WHAT, *what)
+                    batch.add(base + a, ptr, p.nbytes)
             return
-        if batch is not None:
-            batch.flush(self.side, COPY_WHAT, *what)
+        self._copies.flush(COPY_WHAT, *what)     # the queued copies stay ahead of the staged one
         i = self.load_turn
         if self.load_used[i]:
             self.ev_load[i].synchronize("expert staging reuse")
@@ -1346,7 +1340,7 @@ class CudaBackend:
         if old is not None and (old["open"] or old["layer"] >= layer):
             raise BackendError(f"stream_open({layer}): layer {old['layer']}'s stream is "
                                f"{'open' if old['open'] else 'newer'}")
-        self._copies.flush(self.side, "expert uploads")    # loads enqueued so far go before the stream's wait
+        self._copies.flush("expert uploads")    # loads queued so far go before the stream's wait
         if layer >= 2:
             if self._posted < layer - 2:
                 raise BackendError(f"stream_open({layer}): post[{layer - 2}], the last reader of its buffer, is not "
@@ -1385,12 +1379,12 @@ class CudaBackend:
                 else:
                     used = self._owner[slot] is not None
                     self._own(slot, layer, expert)
-                self._copy_into(slot, parts, (layer, expert, slot), after_launches=used, batch=self._copies)
+                self._copy_into(slot, parts, (layer, expert, slot), after_launches=used)
                 s["keep"].append(parts)
                 s["n"] += 1
                 s["bytes"] += sum(x.nbytes for x in parts)
         finally:           # the copies of the items before a bad one go too: their slots are taken
-            self._copies.flush(self.side, "streamed experts of layer %d", layer)
+            self._copies.flush("streamed experts of layer %d", layer)
 
     @_guarded
     def stream_close(self, layer: int) -> None:
@@ -1703,7 +1697,7 @@ class CudaBackend:
             return
         self._closed = True
         if getattr(self, "_copies", None) is not None:
-            self._copies = drv.CopyBatch()              # queued copies never run: their cells are freed below
+            self._copies = drv.CopyBatch(self.side)     # queued copies never run: their cells are freed below
         try:
             self.stream.synchronize("close")
             self.side.synchronize("close")          # uploads and streamed copies read the pinned cells freed below

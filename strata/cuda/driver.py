@@ -230,20 +230,19 @@ class CopyBatch:
         check(cu.cuMemcpyBatchAsync([ptr(d) for d in dsts], [ptr(s) for s in srcs], list(sizes), len(sizes),
                                     [attr], [0], 1, stream.handle), "cuMemcpyBatchAsync (%d copies)", len(sizes))
 
-    def __init__(self):
+    def __init__(self, stream: "Stream"):
+        self.stream = stream                 # where the batch is enqueued
         self.dsts: list[int] = []
         self.srcs: list[int] = []
         self.sizes: list[int] = []
         self._at: set[int] = set()
 
-    def add(self, dst: int, src_ptr: int, nbytes: int, stream: "Stream | None" = None) -> None:
+    def add(self, dst: int, src_ptr: int, nbytes: int) -> None:
         """A copy to dst. A batch's copies run in no given order, so one to a destination a pending copy starts at
-        (a cache slot loaded twice: an expert promoted, then evicted by a later layer's) first flushes the batch
-        on `stream`, keeping the second write last. Every copy into a slot starts at the slot's base."""
+        (a cache slot loaded twice: an expert promoted, then evicted by a later layer's) first flushes the batch,
+        keeping the second write last. Every copy into a slot starts at the slot's base."""
         if dst in self._at:
-            if stream is None:
-                raise ValueError("CopyBatch.add: a second copy to one destination needs the stream to flush on")
-            self.flush(stream, "expert copies to the same slot")
+            self.flush("expert copies to the same slot")
         self._at.add(dst)
         self.dsts.append(dst)
         self.srcs.append(src_ptr)
@@ -252,8 +251,8 @@ class CopyBatch:
     def __len__(self) -> int:
         return len(self.sizes)
 
-    def flush(self, stream: "Stream", what: str, *args) -> None:
-        """Enqueue the copies added since the last flush on `stream`."""
+    def flush(self, what: str, *args) -> None:
+        """Enqueue the copies added since the last flush; what % args names them in an error."""
         if not self.sizes:
             return
         dsts, srcs, sizes = self.dsts, self.srcs, self.sizes
@@ -261,13 +260,13 @@ class CopyBatch:
         self._at = set()
         if self.ok:
             try:
-                self._enqueue(dsts, srcs, sizes, stream)
+                self._enqueue(dsts, srcs, sizes, self.stream)
             except CudaError as e:
                 raise CudaError(f"{e} ({what % args if args else what}, {sum(sizes)} B)") from None
-            stream.prev_kernel = False
+            self.stream.prev_kernel = False
         else:
             for d, s, n in zip(dsts, srcs, sizes):
-                memcpy_htod_async(d, s, n, stream, what, *args)
+                memcpy_htod_async(d, s, n, self.stream, what, *args)
 
 
 def memcpy_dtoh_async(dst_ptr: int, src: int, nbytes: int, stream: Stream, what: str, *args) -> None:

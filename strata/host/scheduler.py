@@ -628,11 +628,15 @@ class Scheduler:
         else:
             req.queue.put_nowait(ev)
 
-    def _flush_held(self) -> None:
-        held, self._held, self._holding = self._held, [], False
-        for req, ev in held:
+    @staticmethod
+    def _put(events: list[tuple[Request, object]]) -> None:
+        for req, ev in events:
             if not req.released:
                 req.queue.put_nowait(ev)
+
+    def _flush_held(self) -> None:
+        held, self._held, self._holding = self._held, [], False
+        self._put(held)
 
     # A step's tail: what it produced that the next launch does not need (the requests' tokens and progress handed
     # to their streams, their time accounts, the mapped token's cache counts, the trace record) runs after the next
@@ -731,11 +735,6 @@ class Scheduler:
         st.span("sample", -1, t_s, t_f)
         mapped_tail, self._mapped_tail = self._mapped_tail, None
 
-        def deliver() -> None:
-            for req, ev in held:
-                if not req.released:
-                    req.queue.put_nowait(ev)
-
         def records() -> None:
             if mapped_tail is not None:
                 mapped_tail()
@@ -747,7 +746,7 @@ class Scheduler:
             for req in accounts:                 # its end's timings count this step
                 self._account(req, st, t_s)
             accounts = []
-            deliver()
+            self._put(held)
             for req, done in finished:           # its own span: a snapshot of the state can take ~100 ms
                 if req.sampler is not None:
                     self._keep_prefix(req)       # the conversation so far: the next turn starts with it
@@ -758,7 +757,7 @@ class Scheduler:
             records()
         else:
             st.t1 = clock()
-            self._set_tail(lambda: (deliver(), records()))
+            self._set_tail(lambda: (self._put(held), records()))
         if st.kind in self.freeze_after:         # what the first step of a kind made lives for good (lazy
             self.freeze_after.discard(st.kind)   # imports, compiled kernels, captured graphs): out of the
             gc.freeze()                          # collector's full passes too (Engine(freeze_gc))
