@@ -158,28 +158,32 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// the largest of the warp's 32 values (one redux instruction from sm_80 on)
-__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+// The largest / the sum of the values of this lane's aligned group of W lanes (W a power of two up to 32; every
+// lane of the warp calls it): one redux instruction from sm_80 on, a butterfly of shuffles elsewhere.
+template <int W>
+__device__ __forceinline__ u32 lanes_max_u32(u32 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 mask = W == 32 ? FULL_MASK : ((1u << (W & 31)) - 1) << (threadIdx.x & 31 & ~(W - 1));
     u32 r;
-    asm volatile("redux.sync.max.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(FULL_MASK));
+    asm volatile("redux.sync.max.u32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
     return r;
 #else
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, (u32)__shfl_xor_sync(FULL_MASK, v, o));
+    for (int o = W / 2; o > 0; o >>= 1) v = max(v, (u32)__shfl_xor_sync(FULL_MASK, v, o));
     return v;
 #endif
 }
 
-// the sum over this lane's half of the warp (lanes 0-15 or 16-31)
-__device__ __forceinline__ int half_warp_sum(int v) {
+template <int W>
+__device__ __forceinline__ int lanes_sum(int v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 mask = W == 32 ? FULL_MASK : ((1u << (W & 31)) - 1) << (threadIdx.x & 31 & ~(W - 1));
     int r;
-    asm volatile("redux.sync.add.s32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0xFFFFu << (threadIdx.x & 16)));
+    asm volatile("redux.sync.add.s32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(mask));
     return r;
 #else
 #pragma unroll
-    for (int o = 1; o < 16; o <<= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
 #endif
 }

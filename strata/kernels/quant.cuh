@@ -810,30 +810,70 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 #endif
 }
 
-// x (n_in floats, n_in % 32 == 0) into the limbs at shared offset xo, by the whole CTA (blockDim.x % 32 == 0): a
-// warp's 32 lanes take one group. `perm`: each 16 elements' limbs stored as a 4 x 4 transpose (element 4b + j at
-// byte 4j + b), the order Q2_0's codes come out of a word in (IQ2_0)
+// x (n_in floats, n_in % 32 == 0, 16-byte aligned) into the limbs at shared offset xo, by the whole CTA
+// (blockDim.x % 32 == 0): each lane takes 4 consecutive elements, 8 lanes a group. `perm`: each 16 elements' limbs
+// stored as a 4 x 4 transpose (element 4b + j at byte 4j + b), the order Q2_0's codes come out of a word in (IQ2_0).
+// The loads of XQ_BATCH rounds are issued before any is used: one element a lane a round, each round waiting for
+// its own load, put an L2 round trip per 32 elements on every CTA's path (the hc reads' x of 10240 elements: 40 of
+// them, ~20 us of a 22 us GEMV on the H100, bench/RESULTS.md "ninth session").
+#define XQ_BATCH 4
 __device__ __noinline__ void xq_prep(const float* __restrict__ x, int n_in, int xo, bool perm = false) {
     u8* L = SMEM + xo;
     float* sc = (float*)(SMEM + xo + 3 * n_in);
     float* sq = sc + n_in / 32;
-    for (int i = threadIdx.x; i < n_in; i += blockDim.x) {
-        const float a = fabsf(x[i]);
-        const u32 mb = warp_max_u32(__float_as_uint(a));                  // |x| orders as its bits; inf, NaN on top
-        const float v = a <= 3.4e38f ? x[i] : 0.0f;
-        const int e = (int)(mb >> 23) - 127;                               // the largest |x| in [2^e, 2^(e+1))
-        const int s = max(-126, min(e - 21, 100));                         // |v| 2^-s < 2^22: |l2| <= 64
-        const int q = (int)rintf(v * pow2f(-s));
-        const int l0 = ((q + 128) & 255) - 128, r = (q - l0) >> 8;
-        const int l1 = ((r + 128) & 255) - 128, l2 = (r - l1) >> 8;
-        const int j = perm ? (i & ~15) | ((i & 3) << 2) | ((i >> 2) & 3) : i;
-        L[j] = (u8)l0;
-        L[n_in + j] = (u8)l1;
-        L[2 * n_in + j] = (u8)l2;
-        const int t = half_warp_sum(q);
-        const int lane = threadIdx.x & 31;
-        if ((lane & 15) == 0) sq[i / 16] = (float)t;
-        if (lane == 0) sc[i / 32] = mb < 0x7F800000u ? pow2f(s) : __int_as_float(0x7fc00000);
+    const int n4 = n_in >> 2, nt = blockDim.x, lane = threadIdx.x & 31;
+    // c0 is the warp's first quad of a batch: uniform over the warp, so every lane reaches the group reductions
+    for (int c0 = threadIdx.x & ~31; c0 < n4; c0 += XQ_BATCH * nt) {
+        float4 v[XQ_BATCH];
+#pragma unroll
+        for (int u = 0; u < XQ_BATCH; u++) {
+            const int c = c0 + u * nt + lane;
+            v[u] = c < n4 ? ((const float4*)x)[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < XQ_BATCH; u++) {
+            if (c0 + u * nt >= n4) break;
+            const int c = c0 + u * nt + lane;                 // quad c: elements 4c .. 4c + 3; past n4 all zero
+            const float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            u32 mb = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) mb = max(mb, __float_as_uint(fabsf(f[k])));  // |x| orders as its bits
+            mb = lanes_max_u32<8>(mb);                                               // inf, NaN on top
+            const int e = (int)(mb >> 23) - 127;                           // the largest |x| in [2^e, 2^(e+1))
+            const int s = max(-126, min(e - 21, 100));                     // |v| 2^-s < 2^22: |l2| <= 64
+            int t = 0;
+            u32 w0 = 0, w1 = 0, w2 = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float a = fabsf(f[k]);
+                const int q = (int)rintf((a <= 3.4e38f ? f[k] : 0.0f) * pow2f(-s));
+                const int l0 = ((q + 128) & 255) - 128, r = (q - l0) >> 8;
+                const int l1 = ((r + 128) & 255) - 128, l2 = (r - l1) >> 8;
+                t += q;
+                if (perm) {                                    // element 4c + k: k = its i & 3, c & 3 its (i >> 2) & 3
+                    const int j = (4 * c & ~15) | (k << 2) | (c & 3);
+                    if (c < n4) {
+                        L[j] = (u8)l0;
+                        L[n_in + j] = (u8)l1;
+                        L[2 * n_in + j] = (u8)l2;
+                    }
+                } else {
+                    w0 |= (u32)(l0 & 255) << (8 * k);
+                    w1 |= (u32)(l1 & 255) << (8 * k);
+                    w2 |= (u32)(l2 & 255) << (8 * k);
+                }
+            }
+            t = lanes_sum<4>(t);
+            if (c < n4) {
+                if (!perm) {
+                    *(u32*)(L + 4 * c) = w0;
+                    *(u32*)(L + n_in + 4 * c) = w1;
+                    *(u32*)(L + 2 * n_in + 4 * c) = w2;
+                }
+                if ((lane & 3) == 0) sq[c >> 2] = (float)t;
+                if ((lane & 7) == 0) sc[c >> 3] = mb < 0x7F800000u ? pow2f(s) : __int_as_float(0x7fc00000);
+            }
+        }
     }
 }
 
