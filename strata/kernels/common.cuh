@@ -236,6 +236,29 @@ __device__ __forceinline__ void rope_neox(float* v, int n_rot, int pos, const fl
     __syncthreads();
 }
 
+// A thread's elements of a stream (e = tid, tid + nt, ... < E) go in rounds of RMS_BATCH whose loads are all issued
+// before any store: one element a round, a round's store to memory the next round's loads may alias kept those
+// loads behind it, an L2 round trip per element on the small kernels' path (write_rms 6 us on the H100, bench/
+// RESULTS.md "ninth session").
+#define RMS_BATCH 4
+
+// out[e] = (r[e] * inv) * w[e] over this thread's elements
+__device__ __forceinline__ void scale_into(const float* r, const float* __restrict__ w, float inv, float* out, int E,
+                                           int tid, int nt) {
+    for (int e0 = tid; e0 < E; e0 += RMS_BATCH * nt) {
+        float a[RMS_BATCH], b[RMS_BATCH];
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++)
+            if (e0 + u * nt < E) {
+                a[u] = r[e0 + u * nt];
+                b[u] = w[e0 + u * nt];
+            }
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++)
+            if (e0 + u * nt < E) out[e0 + u * nt] = (a[u] * inv) * b[u];
+    }
+}
+
 // out[e] = r[e] / sqrt(mean(r^2) + eps) * w[e] over one stream of E values, by the whole block (the reference's
 // x * (1 / sqrt(mean + eps)) * w order). Returns nothing; `red` as for block_sum.
 __device__ __forceinline__ void stream_rms(const float* r, const float* w, float* out, int E, float eps, float* red) {
@@ -244,5 +267,5 @@ __device__ __forceinline__ void stream_rms(const float* r, const float* w, float
     for (int e = tid; e < E; e += nt) ss += r[e] * r[e];
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-    for (int e = tid; e < E; e += nt) out[e] = (r[e] * inv) * w[e];
+    scale_into(r, w, inv, out, E, tid, nt);
 }

@@ -16,7 +16,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const float* __restrict__ beta, const float* __restrict__ conv_w, const float* __restrict__ dt,
     const float* __restrict__ A, const float* __restrict__ norm_w, float* ring, float* S, float* y,
     const i32* __restrict__ step, int Hk, int Hv, int Dk, int Dv, int K, float eps) {
-    pdl_begin();
     float* sm = (float*)SMEM;
     __shared__ float red[33];
     float* sq = sm;
@@ -24,9 +23,10 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     float* sv = sm + 2 * Dk;
     float* part = sm + 2 * Dk + Dv;
     const int h = blockIdx.x, kh = h % Hk, kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
-    const int t = step[STEP_POS];
     const int tid = threadIdx.x + threadIdx.y * blockDim.x, nt = blockDim.x * blockDim.y;
-    // the state is the largest read: issue it first, so it streams in while the conv and the norms run
+    // The state is the largest read: issue it first, so it streams in while the conv and the norms run, and
+    // before pdl_begin: only this layer's gdn_core of an earlier step (or gdn_scan) wrote it, long complete, so it
+    // streams in under the projections' tail as well.
     const int v = threadIdx.x, ky = threadIdx.y;
     const bool col = v < Dv;
     float* Sh = S + (size_t)h * Dk * Dv;
@@ -36,6 +36,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
         const int k = ky * 16 + i;
         st[i] = (col && k < Dk) ? Sh[(size_t)k * Dv + v] : 0.0f;
     }
+    pdl_begin();
+    const int t = step[STEP_POS];
 
     // 1. conv over [K-1 previous raw inputs, this one], SiLU on every channel (before the split)
     for (int i = tid; i < 2 * Dk + Dv; i += nt) {

@@ -26,15 +26,27 @@ extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const flo
     const size_t o = ((size_t)row * hc + s) * E;
     float* r = R + o;
     out += (size_t)row * E;
+    const int nt = blockDim.x;
     float ss = 0.0f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float v = r[e] + inj * out[e];
-        r[e] = v;
-        ss += v * v;
+    for (int e0 = threadIdx.x; e0 < E; e0 += RMS_BATCH * nt) {     // common.cuh scale_into: loads before stores
+        float a[RMS_BATCH], b[RMS_BATCH];
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++)
+            if (e0 + u * nt < E) {
+                a[u] = r[e0 + u * nt];
+                b[u] = out[e0 + u * nt];
+            }
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++)
+            if (e0 + u * nt < E) {
+                const float v = a[u] + inj * b[u];
+                r[e0 + u * nt] = v;
+                ss += v * v;
+            }
     }
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) xn[o + e] = (r[e] * inv) * w[(size_t)s * E + e];
+    scale_into(r, w + (size_t)s * E, inv, xn + o, E, threadIdx.x, nt);
 }
 
 // The batched gr_read's tail, around a GEMM G = lo @ up^T (rows, hc*E): lo[i] = silu(lo_raw[i] / hc) for the
