@@ -100,11 +100,16 @@ extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ 
     int o[4];
 #pragma unroll
     for (int s = 0; s < 4; s++) o[s] = s < hc && g < ne ? range_off(R, s) + g * row_bytes : -1;
+    float xv[4];                      // the row's stream values, loaded before the dot so that they arrive under it
+#pragma unroll
+    for (int s = 0; s < 4; s++) xv[s] = l == 0 && g < ne && s < hc ? xn[(size_t)s * E + e0 + g] : 0.0f;
     float4 a = dot_rows(type, o[0], o[1], o[2], o[3], lo, r, l, tpg);
     a = group_sum(a, tpg, red);
     if (l == 0 && g < ne) {
         float acc = 0.0f;
-        for (int s = 0; s < hc; s++) acc += sigmoidf_(f4get(a, s)) * xn[(size_t)s * E + e0 + g];
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+            if (s < hc) acc += sigmoidf_(f4get(a, s)) * xv[s];
         mixed[e0 + g] = acc / (float)hc;
     }
 }
