@@ -215,7 +215,8 @@ def test_gemv_formats(rig, qt, blocks):
     assert kgemv.warps_per_row(qt, n_long) > 1
 
 
-GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)]
+GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)] + \
+        [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS, f32=True) for tpg, rr in ((8, 4), (128, 1))]
 
 
 @both_rigs
@@ -244,7 +245,34 @@ def test_gemv_every_geometry(rig, qt):
             rig.poison(y)
             rig.run(kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, [Job(w, xb, y, w2=pair)], g))
             err = rel(y.download(), ref)
-            assert err <= TOL, f"{QType(qt).name} tpg {g.tpg} rr {g.rr}{' GLU' if pair else ''}: rel err {err:.2e}"
+            assert err <= TOL, (f"{QType(qt).name} tpg {g.tpg} rr {g.rr}{' f32' if g.f32 else ''}"
+                                f"{' GLU' if pair else ''}: rel err {err:.2e}")
+
+
+@both_rigs
+def test_gemv_int_rows(rig, monkeypatch):
+    """Jobs whose CTAs compute fewer rows than GEMV_INT_ROWS take the f32 path (the geometry word's bit 7, no limbs
+    made for them), the others in the same launch the integer path; both give the product."""
+    rng = np.random.default_rng(5)
+    shapes = [(QType.Q8_0, 3, 2048), (QType.Q4_K, 2400, 256)]  # 3 rows; 2400 rows: ~9 a CTA of the GPU's 264
+    mats, xs, ys, refs, jobs = [], [], [], [], []
+    for i, (qt, n_out, n_in) in enumerate(shapes):
+        raw = random_matrix(qt, n_out, n_in, rng)
+        x = rng.standard_normal(n_in).astype(F32)
+        m, xb, y = rig.mat(f"w{i}", raw, qt, n_out, n_in), rig.buf(f"x{i}", (n_in,), value=x), rig.buf(f"y{i}", (n_out,))
+        ys.append(y)
+        refs.append(dequantize(raw, qt).reshape(n_out, n_in).astype(np.float64) @ x.astype(np.float64))
+        jobs.append(Job(m, xb, y))
+    table = kgemv.job_table("jobs", 2, rig.A.reserve)
+    rig.commit()
+    monkeypatch.setattr(kgemv, "GEMV_INT_ROWS", 8)
+    rows, _, _, xq = kgemv.gemv_plan(jobs)
+    assert [bool(w >> 7 & 1) for w in rows["geom"]] == [True, False]
+    assert xq == kgemv.xq_bytes(QType.Q4_K, 256)               # limbs for the integer job's x only
+    rig.poison(*ys)
+    rig.run(kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, jobs))
+    for y, ref in zip(ys, refs):
+        assert rel(y.download(), ref) <= TOL, f"{y.name}: rel err {rel(y.download(), ref):.2e}"
 
 
 @both_rigs

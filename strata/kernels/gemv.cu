@@ -41,7 +41,7 @@ __device__ __forceinline__ void tile_rows(const GemvJob& J, int t, int& row0, in
 
 // whether job J reads x's integer limbs (quant.cuh int_type; either matrix of a GLU pair)
 __device__ __forceinline__ bool reads_xq(const GemvJob& J) {
-    return int_type(J.type) || (J.w2 != nullptr && int_type(J.type2));
+    return !geom_f32(J.geom) && (int_type(J.type) || (J.w2 != nullptr && int_type(J.type2)));
 }
 
 // tile t's weight rows (both matrices of a GLU pair) as the ranges of the buffer at shared offset `base`
@@ -110,12 +110,13 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
             o[q] = ok ? range_off(R, 0) + r * J.row_bytes : -1;
             o2[q] = ok && glu ? range_off(R, 1) + r * J.row_bytes2 : -1;
         }
-        // the limbs are in the natural layout (1) whenever a format of this job reads them
-        float4 a = dot_rows_x(J.type, 1, o[0], o[1], o[2], o[3], J.x, xo, J.n_in, l, tpg);
+        // the limbs are in the natural layout (1) whenever a format of this job reads them, none for an f32 job
+        const int lay = geom_f32(J.geom) ? 0 : 1;
+        float4 a = dot_rows_x(J.type, lay, o[0], o[1], o[2], o[3], J.x, xo, J.n_in, l, tpg);
         a = group_sum(a, tpg, red);
         float4 b = a;
         if (glu) {
-            b = dot_rows_x(J.type2, 1, o2[0], o2[1], o2[2], o2[3], J.x, xo, J.n_in, l, tpg);
+            b = dot_rows_x(J.type2, lay, o2[0], o2[1], o2[2], o2[3], J.x, xo, J.n_in, l, tpg);
             b = group_sum(b, tpg, red);
         }
         if (l == 0) {

@@ -38,6 +38,11 @@ GEMV_SMEM_MAX = 113 * 1024    # gemv_jobs' shared bytes that keep 2 CTAs a multi
 GEMV_TILE_MAX = 36 * 1024     # so GEMV_STAGES of gemv_jobs' tiles fit GEMV_SMEM_MAX
 # the formats gemv_jobs takes on the integer path (quant.cuh int_type: x in three 8-bit limbs, dp4a)
 INT_TYPES = frozenset((QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS))
+# A CTA makes x's limbs once (xq_prep: all of x, n_in elements) and then saves ~1 instruction a weight of the rows it
+# computes; a job whose CTAs compute fewer rows than this (a tile's, or its share of the ~2 CTAs a multiprocessor
+# the ring runs) takes the f32 path (0: the integer path always). The hc reads' down projection (2 rows of 10240 a
+# CTA) made limbs for 4x the weights it read them for.
+GEMV_INT_ROWS = define("GEMV_INT_ROWS", 0)
 N_SM = 132                    # the H200's multiprocessors: the time model's parallelism
 
 # instructions per weight of each format's decode + FMA (quant.cuh), for the time model
@@ -68,6 +73,7 @@ class Geom:
     tpg: int      # threads per row group (a power of 2, 4 .. nt)
     rr: int       # rows per thread (1, 2 or 4), sharing the thread's x loads
     nt: int       # threads per CTA
+    f32: bool = False   # gemv_jobs: the f32 path for this job even where its format has the integer path
 
     @property
     def groups(self) -> int:
@@ -78,8 +84,8 @@ class Geom:
         return self.groups * self.rr
 
     @property
-    def word(self) -> int:          # quant.cuh geom_tpg / geom_rr
-        return (self.tpg.bit_length() - 1) | (self.rr << 4)
+    def word(self) -> int:          # quant.cuh geom_tpg / geom_rr / geom_f32
+        return (self.tpg.bit_length() - 1) | (self.rr << 4) | (int(self.f32) << 7)
 
 
 def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: int = CTA_THREADS,
@@ -160,8 +166,33 @@ def xq_bytes(qt: int, n_in: int, layouts=(1,)) -> int:
     return (3 * n_in + n_in // 32 * 4 + n_in // 16 * 4 + 15) // 16 * 16
 
 
-def launch_xq_bytes(jobs: list[Job]) -> int:
-    return max((xq_bytes(m.qtype, m.n_in) for j in jobs for m in (j.w, j.w2) if m is not None), default=0)
+def launch_xq_bytes(jobs: list[Job], f32: list[bool] | None = None) -> int:
+    """Shared bytes of x's limbs a launch of these jobs needs (none for the jobs marked f32)."""
+    f32 = f32 or [False] * len(jobs)
+    return max((xq_bytes(m.qtype, m.n_in) for j, f in zip(jobs, f32) if not f for m in (j.w, j.w2) if m is not None),
+               default=0)
+
+
+def _pick(j: Job, xq: int, f32: bool) -> Geom:
+    """The time model's geometry of job j beside xq bytes of limbs, marked for the f32 path when `f32`."""
+    rb2 = j.w2.row_bytes if j.w2 is not None else 0
+    qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) else j.w2.qtype
+    g = geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
+                 tile_max=ring_tile_max(xq))
+    return Geom(g.tpg, g.rr, g.nt, f32) if f32 else g
+
+
+def _geoms(jobs: list[Job]) -> tuple[list[Geom], int]:
+    """Each job's geometry and the launch's limb bytes: first every job as its format allows, then the jobs with
+    fewer rows a tile than GEMV_INT_ROWS on the f32 path, the rest re-picked beside the limbs that remain."""
+    xq = launch_xq_bytes(jobs)
+    geoms = [_pick(j, xq, False) for j in jobs]
+    f32 = [GEMV_INT_ROWS > 0 and max(g.rows, j.w.n_out / (2 * N_SM)) < GEMV_INT_ROWS and launch_xq_bytes([j]) > 0
+           for j, g in zip(jobs, geoms)]
+    if any(f32):
+        xq = launch_xq_bytes(jobs, f32)
+        geoms = [_pick(j, xq, f) for j, f in zip(jobs, f32)]
+    return geoms, xq
 
 
 def ring_tile_max(xq: int) -> int:
@@ -174,8 +205,6 @@ def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> 
     contents with addresses filled. `geom` replaces the time model's pick for every job (bench/gpu_check.py's
     geometry sweep)."""
     rows = np.zeros(len(jobs), JOB_DTYPE)
-    cta, smem = 0, 0
-    xq = launch_xq_bytes(jobs)
     for i, j in enumerate(jobs):
         what = f"{name} job {i} ({j.w.buf.name})"
         _check_mat(j.w, what)
@@ -185,20 +214,23 @@ def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> 
             raise ValueError(f"{what}: x '{j.x.name}' is not 16-byte aligned")
         if not 0 <= j.mat < j.w.n_mat:
             raise ValueError(f"{what}: matrix {j.mat} of {j.w.n_mat}")
+        if j.w2 is not None:
+            _check_mat(j.w2, what + " (GLU partner)")
+            if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
+                raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
+    if geom is None:
+        geoms, xq = _geoms(jobs)
+    else:
+        geoms, xq = [geom] * len(jobs), launch_xq_bytes(jobs, [geom.f32] * len(jobs))
+    cta, smem = 0, 0
+    for i, (j, g) in enumerate(zip(jobs, geoms)):
         r = rows[i]
         r["w"], r["x"], r["y"] = j.w.ptr + j.mat * j.w.mat_bytes, j.x.ptr, j.y.ptr
         r["type"], r["n_in"], r["n_out"], r["row_bytes"] = j.w.qtype, j.w.n_in, j.w.n_out, j.w.row_bytes
         rb2 = 0
         if j.w2 is not None:
-            _check_mat(j.w2, what + " (GLU partner)")
-            if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
-                raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
             rb2 = j.w2.row_bytes
-        qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) \
-            else j.w2.qtype
-        g = geom or geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
-                             tile_max=ring_tile_max(xq))
         r["cta0"], r["geom"] = cta, g.word
         nrows = min(g.rows, j.w.n_out)
         smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))

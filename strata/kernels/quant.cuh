@@ -1223,6 +1223,8 @@ __device__ __forceinline__ float4 group_sum(float4 v, int tpg, float* red) {
 
 __device__ __forceinline__ float f4get(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
 
-// The geometry word of a job (gemv.py, geom()): bits 0-3 log2(TPG), bits 4-6 rows per thread (1, 2 or 4).
+// The geometry word of a job (gemv.py Geom.word): bits 0-3 log2(TPG), bits 4-6 rows per thread (1, 2 or 4).
 __device__ __forceinline__ int geom_tpg(int geom) { return 1 << (geom & 15); }
 __device__ __forceinline__ int geom_rr(int geom) { return (geom >> 4) & 7; }
+// bit 7: the job takes the f32 path whatever its format (gemv.py GEMV_INT_ROWS)
+__device__ __forceinline__ bool geom_f32(int geom) { return (geom >> 7) & 1; }
