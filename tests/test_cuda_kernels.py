@@ -188,7 +188,8 @@ GEMV_CASES = [(qt, n) for qt in sorted(kgemv.KERNEL_TYPES) for n in (1, 3)]
 
 @both_rigs
 @pytest.mark.parametrize("qt,blocks", GEMV_CASES, ids=[f"{QType(q).name}-{b}" for q, b in GEMV_CASES])
-def test_gemv_formats(rig, qt, blocks):
+def test_gemv_formats(rig, qt, blocks, monkeypatch):
+    monkeypatch.setattr(kgemv, "GEMV_INT_ROWS", 0)        # the integer path wherever the format has one
     rng = np.random.default_rng(int(qt) * 7 + blocks)
     qk = kgemv.BLOCKS[qt][0]
     n_in = 8 * blocks * 12 + 3 if qt in kgemv.FLOAT_TYPES else qk * blocks      # floats: not a multiple of 8
@@ -277,10 +278,11 @@ def test_gemv_int_rows(rig, monkeypatch):
 
 @both_rigs
 @pytest.mark.parametrize("qt", sorted(kgemv.INT_TYPES | {QType.BF16}), ids=lambda q: QType(q).name)
-def test_gemv_x_range(rig, qt):
+def test_gemv_x_range(rig, qt, monkeypatch):
     """x whose groups of 32 span 12 decades, one of them zero, one with an outlier: the integer path scales each
     group on its own (quant.cuh xq_prep) and stays within the f32 contract; an inf or a NaN anywhere in x makes
     every output non-finite, as the f32 path's products do."""
+    monkeypatch.setattr(kgemv, "GEMV_INT_ROWS", 0)        # the integer path, whose limbs are the subject
     rng = np.random.default_rng(int(qt) + 7)
     n_in, n_out = 512, 21
     raw = random_matrix(qt, n_out, n_in, rng)
@@ -304,9 +306,10 @@ def test_gemv_x_range(rig, qt):
 
 
 @both_rigs
-def test_gemv_mixed_jobs_and_glu(rig):
+def test_gemv_mixed_jobs_and_glu(rig, monkeypatch):
     """One launch, four jobs of four types, one of them a GLU pair: y = silu(G x) * (U x); on the full grid and on
     grids of fewer CTAs than tiles."""
+    monkeypatch.setattr(kgemv, "GEMV_INT_ROWS", 0)        # integer and f32 jobs in one launch, limbs made once
     rng = np.random.default_rng(5)
     n = 512
     x = rng.standard_normal(n).astype(F32)

@@ -41,8 +41,9 @@ INT_TYPES = frozenset((QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4
 # A CTA makes x's limbs once (xq_prep: all of x, n_in elements) and then saves ~1 instruction a weight of the rows it
 # computes; a job whose CTAs compute fewer rows than this (a tile's, or its share of the ~2 CTAs a multiprocessor
 # the ring runs) takes the f32 path (0: the integer path always). The hc reads' down projection (2 rows of 10240 a
-# CTA) made limbs for 4x the weights it read them for.
-GEMV_INT_ROWS = define("GEMV_INT_ROWS", 0)
+# CTA) made limbs for 4x the weights it read them for. All-VRAM decode on the H100, one call (bench/RESULTS.md
+# "ninth session"): 8.09 ms a token at 0, 7.32 at 8, 7.17 at 16, 7.39 at 64, 7.40 with the f32 path everywhere.
+GEMV_INT_ROWS = define("GEMV_INT_ROWS", 16)
 N_SM = 132                    # the H200's multiprocessors: the time model's parallelism
 
 # instructions per weight of each format's decode + FMA (quant.cuh), for the time model
