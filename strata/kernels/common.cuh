@@ -242,21 +242,27 @@ __device__ __forceinline__ void rope_neox(float* v, int n_rot, int pos, const fl
 // RESULTS.md "ninth session").
 #define RMS_BATCH 4
 
-// out[e] = (r[e] * inv) * w[e] over this thread's elements
-__device__ __forceinline__ void scale_into(const float* r, const float* __restrict__ w, float inv, float* out, int E,
-                                           int tid, int nt) {
+// f(e, x[e], y[e]) for this thread's elements, RMS_BATCH elements' loads issued before any f runs
+template <typename F>
+__device__ __forceinline__ void batched_pairs(const float* x, const float* y, int E, int tid, int nt, F f) {
     for (int e0 = tid; e0 < E; e0 += RMS_BATCH * nt) {
         float a[RMS_BATCH], b[RMS_BATCH];
 #pragma unroll
         for (int u = 0; u < RMS_BATCH; u++)
             if (e0 + u * nt < E) {
-                a[u] = r[e0 + u * nt];
-                b[u] = w[e0 + u * nt];
+                a[u] = x[e0 + u * nt];
+                b[u] = y[e0 + u * nt];
             }
 #pragma unroll
         for (int u = 0; u < RMS_BATCH; u++)
-            if (e0 + u * nt < E) out[e0 + u * nt] = (a[u] * inv) * b[u];
+            if (e0 + u * nt < E) f(e0 + u * nt, a[u], b[u]);
     }
+}
+
+// out[e] = (r[e] * inv) * w[e] over this thread's elements
+__device__ __forceinline__ void scale_into(const float* r, const float* w, float inv, float* out, int E, int tid,
+                                           int nt) {
+    batched_pairs(r, w, E, tid, nt, [&](int e, float a, float b) { out[e] = (a * inv) * b; });
 }
 
 // out[e] = r[e] / sqrt(mean(r^2) + eps) * w[e] over one stream of E values, by the whole block (the reference's

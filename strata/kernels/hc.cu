@@ -28,22 +28,11 @@ extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const flo
     out += (size_t)row * E;
     const int nt = blockDim.x;
     float ss = 0.0f;
-    for (int e0 = threadIdx.x; e0 < E; e0 += RMS_BATCH * nt) {     // common.cuh scale_into: loads before stores
-        float a[RMS_BATCH], b[RMS_BATCH];
-#pragma unroll
-        for (int u = 0; u < RMS_BATCH; u++)
-            if (e0 + u * nt < E) {
-                a[u] = r[e0 + u * nt];
-                b[u] = out[e0 + u * nt];
-            }
-#pragma unroll
-        for (int u = 0; u < RMS_BATCH; u++)
-            if (e0 + u * nt < E) {
-                const float v = a[u] + inj * b[u];
-                r[e0 + u * nt] = v;
-                ss += v * v;
-            }
-    }
+    batched_pairs(r, out, E, threadIdx.x, nt, [&](int e, float a, float b) {
+        const float v = a + inj * b;
+        r[e] = v;
+        ss += v * v;
+    });
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
     scale_into(r, w + (size_t)s * E, inv, xn + o, E, threadIdx.x, nt);
