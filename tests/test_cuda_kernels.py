@@ -256,7 +256,7 @@ def test_gemv_int_rows(rig, monkeypatch):
     made for them), the others in the same launch the integer path; both give the product."""
     rng = np.random.default_rng(5)
     shapes = [(QType.Q8_0, 3, 2048), (QType.Q4_K, 2400, 256)]  # 3 rows; 2400 rows: ~9 a CTA of the GPU's 264
-    mats, xs, ys, refs, jobs = [], [], [], [], []
+    ys, refs, jobs = [], [], []
     for i, (qt, n_out, n_in) in enumerate(shapes):
         raw = random_matrix(qt, n_out, n_in, rng)
         x = rng.standard_normal(n_in).astype(F32)

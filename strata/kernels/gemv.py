@@ -184,8 +184,8 @@ def _pick(j: Job, xq: int, f32: bool) -> Geom:
 
 
 def _geoms(jobs: list[Job]) -> tuple[list[Geom], int]:
-    """Each job's geometry and the launch's limb bytes: first every job as its format allows, then the jobs with
-    fewer rows a tile than GEMV_INT_ROWS on the f32 path, the rest re-picked beside the limbs that remain."""
+    """Each job's geometry and the launch's limb bytes: first every job as its format allows, then the jobs whose
+    CTAs compute fewer rows than GEMV_INT_ROWS on the f32 path, every job re-picked beside the limbs that remain."""
     xq = launch_xq_bytes(jobs)
     geoms = [_pick(j, xq, False) for j in jobs]
     f32 = [GEMV_INT_ROWS > 0 and max(g.rows, j.w.n_out / (2 * N_SM)) < GEMV_INT_ROWS and launch_xq_bytes([j]) > 0
