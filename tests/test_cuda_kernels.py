@@ -216,8 +216,8 @@ def test_gemv_formats(rig, qt, blocks, monkeypatch):
     assert kgemv.warps_per_row(qt, n_long) > 1
 
 
-GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)] + \
-        [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS, f32=True) for tpg, rr in ((8, 4), (128, 1))]
+GEOMS = [kgemv.Geom(tpg, rr, kgemv.GEMV_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) if tpg <= kgemv.GEMV_THREADS
+         for rr in (1, 2, 4)] + [kgemv.Geom(tpg, rr, kgemv.GEMV_THREADS, f32=True) for tpg, rr in ((8, 4), (min(128, kgemv.GEMV_THREADS), 1))]
 
 
 @both_rigs
@@ -345,6 +345,9 @@ def test_gemv_mixed_jobs_and_glu(rig, monkeypatch):
         got = [y.download() for y in ys]
         first = first or got
         assert all(np.array_equal(a, b) for a, b in zip(got, first)), f"{ctas} CTAs: not the full grid's result"
+    # the kernel keeps its job table in shared memory: a launch of more jobs than it holds is refused
+    with pytest.raises(ValueError, match="jobs in one launch"):
+        kgemv.gemv_plan(jobs * 3, "gemv")
 
 
 @both_rigs

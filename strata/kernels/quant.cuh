@@ -45,15 +45,25 @@ __device__ __forceinline__ float sbyte(u32 w_xor80, int k) {
     return __uint_as_float(__byte_perm(w_xor80, 0x4B000000u, (u32)k | 0x7650u)) - (MAGIC_F + 128.0f);
 }
 
-// kvalues_iq4nl (ggml-common.h) for 4 nibbles at once: nibble i of `sel` (bits 4i..4i+3) -> byte i, int8
+// kvalues_iq4nl (ggml-common.h) as bytes
+#define IQ4NL_T0 0xBFAD9881u      // -127 -104 -83 -65  (bytes 0..3)
+#define IQ4NL_T1 0xF6EADDCFu      //  -49  -35 -22 -10
+#define IQ4NL_T2 0x26190D01u      //    1   13  25  38
+#define IQ4NL_T3 0x71594535u      //   53   69  89 113
+
+// the values of 4 nibbles at once: nibble i of `sel` (bits 4i..4i+3) -> byte i, int8
 __device__ __forceinline__ u32 iq4nl_lut4(u32 sel) {
-    const u32 t0 = 0xBFAD9881u;   // -127 -104 -83 -65  (bytes 0..3)
-    const u32 t1 = 0xF6EADDCFu;   //  -49  -35 -22 -10
-    const u32 t2 = 0x26190D01u;   //    1   13  25  38
-    const u32 t3 = 0x71594535u;   //   53   69  89 113
-    const u32 lo = __byte_perm(t0, t1, sel & 0x7777u);
-    const u32 hi = __byte_perm(t2, t3, sel & 0x7777u);
+    const u32 lo = __byte_perm(IQ4NL_T0, IQ4NL_T1, sel & 0x7777u);
+    const u32 hi = __byte_perm(IQ4NL_T2, IQ4NL_T3, sel & 0x7777u);
     return __byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
+}
+
+// iq4nl_lut4 of both 16-bit halves of w (r0: the low, r1: the high), the masks made once for the two: a picks a
+// byte within the low and the high half-table, m the high half-table's byte where a nibble's bit 3 is set
+__device__ __forceinline__ void iq4nl_lut8(u32 w, u32& r0, u32& r1) {
+    const u32 a = w & 0x77777777u, m = ((w >> 1) & 0x44444444u) | 0x32103210u;
+    r0 = __byte_perm(__byte_perm(IQ4NL_T0, IQ4NL_T1, a), __byte_perm(IQ4NL_T2, IQ4NL_T3, a), m);
+    r1 = __byte_perm(__byte_perm(IQ4NL_T0, IQ4NL_T1, a >> 16), __byte_perm(IQ4NL_T2, IQ4NL_T3, a >> 16), m >> 16);
 }
 
 // the 4 low (hi=0) or high (hi=1) nibbles of the 4 bytes of w, as a 16-bit byte_perm selector
@@ -707,6 +717,27 @@ struct VW {      // the rarer formats: the block decoder above, reading shared m
     }
 };
 
+// GEMV_ROW_LOOP: a thread's rows (up to 4, sharing its x values) in a loop rather than unrolled: the loop body is a
+// quarter of the code. A launch runs each instruction of it only a few times a warp (a tile is 1-3 parts a thread),
+// and ncu found the GEMV's warps waiting on instruction fetch more than on anything else (no_inst, 27% of the
+// stall samples of attn_qkv, bench/RESULTS.md "tenth session").
+#ifndef GEMV_ROW_LOOP
+#define GEMV_ROW_LOOP 0
+#endif
+
+// row q's offset of o0..o3; the rows a thread takes are the first ones (-1 after them)
+__device__ __forceinline__ int row_off(int q, int o0, int o1, int o2, int o3) {
+    return q == 0 ? o0 : q == 1 ? o1 : q == 2 ? o2 : o3;
+}
+
+// a_q += v
+__device__ __forceinline__ void row_add(int q, float v, float& a0, float& a1, float& a2, float& a3) {
+    if (q == 0) a0 += v;
+    else if (q == 1) a1 += v;
+    else if (q == 2) a2 += v;
+    else a3 += v;
+}
+
 // Rows at shared offsets o0..o3 (-1: no row) against x: this thread's share, parts l, l + tpg, ... One call per
 // CTA and format (not inlined: the 16 formats would otherwise multiply the kernels' code).
 template <class V>
@@ -745,10 +776,19 @@ __device__ __noinline__ float4 group_dot(int o0, int o1, int o2, int o3, const f
             }
         }
         const int bo = blk * V::BB;
+#if GEMV_ROW_LOOP
+#pragma unroll 1
+        for (int q = 0; q < 4; q++) {
+            const int oq = row_off(q, o0, o1, o2, o3);
+            if (oq < 0) break;
+            row_add(q, V::dot(oq + bo, p, xv, sx, mg), a0, a1, a2, a3);
+        }
+#else
         if (o0 >= 0) a0 += V::dot(o0 + bo, p, xv, sx, mg);
         if (o1 >= 0) a1 += V::dot(o1 + bo, p, xv, sx, mg);
         if (o2 >= 0) a2 += V::dot(o2 + bo, p, xv, sx, mg);
         if (o3 >= 0) a3 += V::dot(o3 + bo, p, xv, sx, mg);
+#endif
     }
     float4 r;
     r.x = a0;
@@ -974,7 +1014,8 @@ struct IIQ4_XS {
         int d[3] = {0, 0, 0};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const u32 r0 = iq4nl_lut4(w[k]), r1 = iq4nl_lut4(w[k] >> 16);
+            u32 r0, r1;
+            iq4nl_lut8(w[k], r0, r1);
             dp4a3(__byte_perm(r0, r1, 0x6420u), xl, k, d);          // run k
             dp4a3(__byte_perm(r0, r1, 0x7531u), xl, 4 + k, d);      // run 4 + k
         }
@@ -1025,10 +1066,19 @@ __device__ __noinline__ float4 group_dot_i(int o0, int o1, int o2, int o3, int x
             }
         }
         const int bo = blk * V::BB;
+#if GEMV_ROW_LOOP
+#pragma unroll 1
+        for (int q = 0; q < 4; q++) {
+            const int oq = row_off(q, o0, o1, o2, o3);
+            if (oq < 0) break;
+            row_add(q, V::dot(oq + bo, p, xl, xo, n_in, e0), a0, a1, a2, a3);
+        }
+#else
         if (o0 >= 0) a0 += V::dot(o0 + bo, p, xl, xo, n_in, e0);
         if (o1 >= 0) a1 += V::dot(o1 + bo, p, xl, xo, n_in, e0);
         if (o2 >= 0) a2 += V::dot(o2 + bo, p, xl, xo, n_in, e0);
         if (o3 >= 0) a3 += V::dot(o3 + bo, p, xl, xo, n_in, e0);
+#endif
     }
     return make_float4(a0, a1, a2, a3);
 }
