@@ -717,13 +717,12 @@ struct VW {      // the rarer formats: the block decoder above, reading shared m
     }
 };
 
-// GEMV_ROW_LOOP: a thread's rows (up to 4, sharing its x values) in a loop rather than unrolled: the loop body is a
-// quarter of the code. A launch runs each instruction of it only a few times a warp (a tile is 1-3 parts a thread),
-// and ncu found the GEMV's warps waiting on instruction fetch more than on anything else (no_inst, 27% of the
-// stall samples of attn_qkv, bench/RESULTS.md "tenth session").
-#ifndef GEMV_ROW_LOOP
-#define GEMV_ROW_LOOP 0
-#endif
+// A thread's rows (up to 4, sharing its x values) go through one format's dot in a loop, not unrolled: a quarter of
+// the code. A launch runs each instruction of it only a few times a warp (a tile is 1-3 parts a thread, a CTA 2-3
+// tiles), so the GEMV's warps waited on instruction fetch more than on anything else (no_inst: 27% of attn_qkv's
+// stall samples unrolled, 8% in the loop). Launched back to back, each matrix alone is 4-21% slower this way (its
+// code stays cached and the loop costs instructions); in the token's graph, where every launch follows other
+// kernels' code, the all-VRAM token went from 7.13 to 6.88 ms (H100, bench/RESULTS.md "tenth session").
 
 // row q's offset of o0..o3; the rows a thread takes are the first ones (-1 after them)
 __device__ __forceinline__ int row_off(int q, int o0, int o1, int o2, int o3) {
@@ -776,19 +775,12 @@ __device__ __noinline__ float4 group_dot(int o0, int o1, int o2, int o3, const f
             }
         }
         const int bo = blk * V::BB;
-#if GEMV_ROW_LOOP
 #pragma unroll 1
         for (int q = 0; q < 4; q++) {
             const int oq = row_off(q, o0, o1, o2, o3);
             if (oq < 0) break;
             row_add(q, V::dot(oq + bo, p, xv, sx, mg), a0, a1, a2, a3);
         }
-#else
-        if (o0 >= 0) a0 += V::dot(o0 + bo, p, xv, sx, mg);
-        if (o1 >= 0) a1 += V::dot(o1 + bo, p, xv, sx, mg);
-        if (o2 >= 0) a2 += V::dot(o2 + bo, p, xv, sx, mg);
-        if (o3 >= 0) a3 += V::dot(o3 + bo, p, xv, sx, mg);
-#endif
     }
     float4 r;
     r.x = a0;
@@ -1066,19 +1058,12 @@ __device__ __noinline__ float4 group_dot_i(int o0, int o1, int o2, int o3, int x
             }
         }
         const int bo = blk * V::BB;
-#if GEMV_ROW_LOOP
 #pragma unroll 1
         for (int q = 0; q < 4; q++) {
             const int oq = row_off(q, o0, o1, o2, o3);
             if (oq < 0) break;
             row_add(q, V::dot(oq + bo, p, xl, xo, n_in, e0), a0, a1, a2, a3);
         }
-#else
-        if (o0 >= 0) a0 += V::dot(o0 + bo, p, xl, xo, n_in, e0);
-        if (o1 >= 0) a1 += V::dot(o1 + bo, p, xl, xo, n_in, e0);
-        if (o2 >= 0) a2 += V::dot(o2 + bo, p, xl, xo, n_in, e0);
-        if (o3 >= 0) a3 += V::dot(o3 + bo, p, xl, xo, n_in, e0);
-#endif
     }
     return make_float4(a0, a1, a2, a3);
 }
