@@ -209,11 +209,11 @@ def step_block(pos: int, rows: int) -> np.ndarray:
 
 def sweep_geoms(n_out: int, rb: int, halves: int, xq: int):
     """Every GEMV geometry whose tile ring (and xq bytes of x limbs) leave room for 2 CTAs a multiprocessor."""
-    from strata.kernels.gemv import GEMV_THREADS, Geom, tile_fits
+    from strata.kernels.gemv import CTA_THREADS, Geom, tile_fits
     tpg = 4
-    while tpg <= GEMV_THREADS:
+    while tpg <= CTA_THREADS:
         for rr in (1, 2, 4):
-            g = Geom(tpg, rr, GEMV_THREADS)
+            g = Geom(tpg, rr, CTA_THREADS)
             if tile_fits(g, n_out, rb, halves, xq):
                 yield g
         tpg *= 2

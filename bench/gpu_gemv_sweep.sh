@@ -2,7 +2,7 @@
 # The GEMV phase's geometry sweep (gpu_check.py --phases gemv --sweep: every tile geometry of each flash matrix,
 # timed as a graph of back-to-back launches) under each build variant, and per matrix the time model's pick against
 # the fastest geometry. Variants are STRATA_KERNEL_DEFINES values separated by ';' ('' = the defaults).
-#   VARIANTS=";GEMV_THREADS=128" bash bench/gpu_gemv_sweep.sh   -> $OUT/sweep_<n>.log, the table on stdout
+#   VARIANTS=";GEMV_STAGES=2" bash bench/gpu_gemv_sweep.sh   -> $OUT/sweep_<n>.log, the table on stdout
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1

@@ -62,14 +62,9 @@ __device__ __forceinline__ void tile_issue(const GemvJob* __restrict__ jobs, int
 }
 
 #define GEMV_MAX_JOBS 8     // jobs in one launch (gemv.py GEMV_MAX_JOBS checks)
-// GEMV_THREADS (gemv.py GEMV_THREADS): the CTA's threads; the multiprocessor keeps the same warps
-// (GEMV_MIN_CTAS CTAs of 256 threads' worth), so smaller CTAs mean more, independent, rings an SM.
-#ifndef GEMV_THREADS
-#define GEMV_THREADS 256
-#endif
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS * 256 / GEMV_THREADS)
-    gemv_jobs(const GemvJob* __restrict__ jobs_g, int n_jobs, int n_tiles, int stage_bytes) {
-    __shared__ float red[4 * (GEMV_THREADS / 32)];
+extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const GemvJob* __restrict__ jobs_g,
+                                                                          int n_jobs, int n_tiles, int stage_bytes) {
+    __shared__ float red[4 * 8];
     // The job table in shared memory: every tile looks its job up twice (its copies, its compute), each a chain of
     // dependent loads from global memory otherwise (0.3-0.5 us a launch of the flash matrices on the H100,
     // bench/RESULTS.md "tenth session").

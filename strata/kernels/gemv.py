@@ -29,19 +29,15 @@ BLOCKS: dict[QType, tuple[int, int, int]] = {
 }
 KERNEL_TYPES = frozenset(BLOCKS)
 FLOAT_TYPES = frozenset((QType.F32, QType.F16, QType.BF16))
-CTA_THREADS = 256             # the expert kernels' CTA (moe.cu)
+CTA_THREADS = 256
 CTA_WARPS = CTA_THREADS // 32
-# gemv_jobs' CTA (gemv.cu GEMV_THREADS): an SM keeps GEMV_CTAS_SM of them, 16 warps in all, each CTA with its own
-# tile ring and x limbs
-GEMV_THREADS = define("GEMV_THREADS", 256)
-GEMV_CTAS_SM = define("GEMV_MIN_CTAS", 2) * 256 // GEMV_THREADS
 TILE_MAX = 46 * 1024          # bytes one CTA stages (both matrices of a GLU pair), 16-byte chunks
 # gemv_jobs' shared buffers a CTA cycles its tiles through (quant.cuh GEMV_STAGES, >= 2; a bench variant may set it)
 GEMV_STAGES = define("GEMV_STAGES", 3)
-# gemv_jobs' dynamic shared bytes that keep GEMV_CTAS_SM CTAs a multiprocessor (228 KB; a CTA: 1 KB the system keeps,
-# under 1 KB of static arrays, the job table among them)
-GEMV_SMEM_MAX = (228 // GEMV_CTAS_SM - 2) * 1024
-GEMV_TILE_MAX = min(36 * 1024, GEMV_SMEM_MAX // GEMV_STAGES - 64)
+# gemv_jobs' dynamic shared bytes that keep 2 CTAs a multiprocessor (228 KB; a CTA: 1 KB the system keeps, under
+# 1 KB of static arrays, the job table among them)
+GEMV_SMEM_MAX = 112 * 1024
+GEMV_TILE_MAX = 36 * 1024     # so GEMV_STAGES of gemv_jobs' tiles fit GEMV_SMEM_MAX
 GEMV_MAX_JOBS = 8             # gemv.cu GEMV_MAX_JOBS: jobs in one launch
 # the formats gemv_jobs takes on the integer path (quant.cuh int_type: x in three 8-bit limbs, dp4a)
 INT_TYPES = frozenset((QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS))
@@ -134,8 +130,7 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
 def warps_per_row(qt: int, n_in: int, n_out: int = 5) -> int:
     """Warps sharing one row in the geometry of an n_out x n_in matrix (1 when a row group fits in a warp)."""
     qt = QType(qt)
-    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), nt=GEMV_THREADS,
-                 tile_max=ring_tile_max(xq_bytes(qt, n_in)))
+    g = geometry(qt, n_in, n_out, device_row_bytes(qt, n_in), tile_max=ring_tile_max(xq_bytes(qt, n_in)))
     return max(1, g.tpg // 32)
 
 
@@ -187,7 +182,7 @@ def _pick(j: Job, xq: int, f32: bool) -> Geom:
     rb2 = j.w2.row_bytes if j.w2 is not None else 0
     qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) else j.w2.qtype
     g = geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
-                 nt=GEMV_THREADS, tile_max=ring_tile_max(xq))
+                 tile_max=ring_tile_max(xq))
     return Geom(g.tpg, g.rr, g.nt, f32) if f32 else g
 
 
@@ -196,7 +191,7 @@ def _geoms(jobs: list[Job]) -> tuple[list[Geom], int]:
     CTAs compute fewer rows than GEMV_INT_ROWS on the f32 path, every job re-picked beside the limbs that remain."""
     xq = launch_xq_bytes(jobs)
     geoms = [_pick(j, xq, False) for j in jobs]
-    f32 = [GEMV_INT_ROWS > 0 and max(g.rows, j.w.n_out / (GEMV_CTAS_SM * N_SM)) < GEMV_INT_ROWS and launch_xq_bytes([j]) > 0
+    f32 = [GEMV_INT_ROWS > 0 and max(g.rows, j.w.n_out / (2 * N_SM)) < GEMV_INT_ROWS and launch_xq_bytes([j]) > 0
            for j, g in zip(jobs, geoms)]
     if any(f32):
         xq = launch_xq_bytes(jobs, f32)
@@ -273,8 +268,8 @@ def gemv_launch(fn, name: str, table: DevArray, jobs: list[Job], geom: Geom | No
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // 64} jobs, {len(jobs)} given")
     table.upload(rows.view(np.uint8))
     smem = GEMV_STAGES * stage + xq
-    grid = min(tiles, ctas or resident_ctas(fn, name, GEMV_THREADS, smem))
-    return Launch(fn, name, (grid,), (GEMV_THREADS,), smem, [P(table), I(len(jobs)), I(tiles), I(stage)])
+    grid = min(tiles, ctas or resident_ctas(fn, name, CTA_THREADS, smem))
+    return Launch(fn, name, (grid,), (CTA_THREADS,), smem, [P(table), I(len(jobs)), I(tiles), I(stage)])
 
 
 def embed_launch(fn, name: str, table: DevMat, step: DevArray, R: DevArray, norm: DevArray | None,

@@ -58,14 +58,6 @@ __device__ __forceinline__ u32 iq4nl_lut4(u32 sel) {
     return __byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
 }
 
-// iq4nl_lut4 of both 16-bit halves of w (r0: the low, r1: the high), the masks made once for the two: a picks a
-// byte within the low and the high half-table, m the high half-table's byte where a nibble's bit 3 is set
-__device__ __forceinline__ void iq4nl_lut8(u32 w, u32& r0, u32& r1) {
-    const u32 a = w & 0x77777777u, m = ((w >> 1) & 0x44444444u) | 0x32103210u;
-    r0 = __byte_perm(__byte_perm(IQ4NL_T0, IQ4NL_T1, a), __byte_perm(IQ4NL_T2, IQ4NL_T3, a), m);
-    r1 = __byte_perm(__byte_perm(IQ4NL_T0, IQ4NL_T1, a >> 16), __byte_perm(IQ4NL_T2, IQ4NL_T3, a >> 16), m >> 16);
-}
-
 // the 4 low (hi=0) or high (hi=1) nibbles of the 4 bytes of w, as a 16-bit byte_perm selector
 __device__ __forceinline__ u32 nib_sel(u32 w, int hi) {
     if (hi) w >>= 4;
@@ -1006,8 +998,7 @@ struct IIQ4_XS {
         int d[3] = {0, 0, 0};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            u32 r0, r1;
-            iq4nl_lut8(w[k], r0, r1);
+            const u32 r0 = iq4nl_lut4(w[k]), r1 = iq4nl_lut4(w[k] >> 16);
             dp4a3(__byte_perm(r0, r1, 0x6420u), xl, k, d);          // run k
             dp4a3(__byte_perm(r0, r1, 0x7531u), xl, 4 + k, d);      // run 4 + k
         }
