@@ -8,7 +8,8 @@
 # (another tree of the repository, e.g. `git archive <commit>` unpacked under build/ and carried) gets one too, on
 # the same model file, for a same-call comparison (and its GEMV timings, unless GEMV=0). MODEL=<path> (default
 # models/flash.gguf) and ROUTING=realistic (default uniform: make-model's routing, when the file is made) name the
-# flash file; GEMV=0 skips the GEMV timings, TESTS=0 the CUDA tests (run by an earlier call). Logs go to $OUT.
+# flash file; GEMV=0 skips the GEMV timings, TESTS=0 the CUDA tests (run by an earlier call); ABLATE=1 adds, for
+# the first variant, the whole-token graph without each kind of launch (gpu_check.py's ablate phase). Logs go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
@@ -30,6 +31,8 @@ for v in "${variants[@]}"; do
     echo "== STRATA_KERNEL_DEFINES='$v'"
     STRATA_KERNEL_DEFINES="$v" python3 bench/gpu_check.py --phases bench --long-ctx 1024 "${mopt[@]}" 2>&1 \
         | tee -a "$out/bench.log" | grep -E "^(decode|per-layer|  [a-z]|  sum)"
+    [ "${ABLATE:-0}" != 0 ] && [ "$v" = "${variants[0]}" ] && STRATA_KERNEL_DEFINES="$v" python3 bench/gpu_check.py --phases ablate "${mopt[@]}" \
+        2>&1 | tee -a "$out/ablate.log" | grep -E "whole-token|without|chain|no branch"
 done
 if [ -n "${BASE:-}" ]; then
     echo "== the tree in $BASE"

@@ -23,6 +23,8 @@ model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf
 profile   the flash model with every weight in VRAM: `tokens` whole-token graphs between cuProfilerStart and Stop,
           for Nsight Compute to time every kernel node in isolation (bench/gpu_profile.sh runs it under ncu and
           sums the nodes by kernel and grid: bench/ncu_table.py); the graph's own ms/token is printed first
+ablate    the whole-token graph without each kind of launch in turn (ms it saves, per launch left out), and
+          chains of 720 near-empty launches: what a launch costs inside the graph (phase_ablate)
 bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
           at a short and at a long context (past the QSA budget, so block selection runs), the per-layer protocol
           (doorbell, host polling) ms/token, a per-stage breakdown from events recorded between stage graphs
@@ -707,6 +709,100 @@ def phase_bench(long_ctx: int) -> None:
     RESULTS["bench"] = res
 
 
+# The ablate phase's kernel groups: launch names (less their "blk.N." prefix) left out of the whole-token graph.
+ABLATE = {
+    "write_rms": ("attn_write",),
+    "moe_route": ("route",),
+    "combine_write_rms": ("combine",),
+    "up_mix": ("attn_up_mix", "ffn_up_mix"),
+    "hc down (gemv_jobs)": ("attn_down_inject", "ffn_down_inject"),
+    "shared expert (gemv_jobs, branch)": ("shexp_gate_up", "shexp_down"),
+    "gdn_core": ("gdn_core",),
+    "ssm_out + attn_output (gemv_jobs)": ("ssm_out", "attn_output"),
+    "qsa_prep/score/select/combine": ("qsa_prep", "qsa_score", "qsa_select", "qsa_combine"),
+    "write_rms + moe_route + combine": ("attn_write", "route", "combine"),
+}
+
+
+def phase_ablate() -> None:
+    """What each kind of launch costs inside the whole-token graph: the graph re-captured without that kind's
+    launches (the numbers it computes are then wrong; only its time is read), its ms against the full graph's in
+    the same process, per launch left out. And the floor of a launch in such a graph: chains of 720 launches of a
+    kernel that does almost nothing (one CTA, then 264), with programmatic dependent launch as in the token."""
+    import re
+    from strata.cuda import driver as drv
+    from strata.cuda.backend import CudaBackend
+    from strata.cuda.graphs import Graph
+    from strata.cuda.launch import I, Launch, P
+    from strata.model.loader import load_model
+    if not FLASH.exists():
+        phase_model()
+    model = load_model(FLASH)
+    be = CudaBackend(model, experts="vram", max_ctx=512, log=say)
+    res: dict = {"device": be.dev.name, "rows": []}
+
+    def timed(label: str, body) -> float:
+        g = Graph(label, be.stream, body)
+        e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
+        for _ in range(3):
+            g.launch(be.stream)
+        be.stream.synchronize("warm-up")
+        times = []
+        for _ in range(30):
+            e0.record(be.stream)
+            g.launch(be.stream)
+            e1.record(be.stream)
+            e1.synchronize(label)
+            times.append(e1.elapsed_ms(e0))
+        g.destroy()
+        e0.destroy()
+        e1.destroy()
+        return float(np.median(times))
+
+    def kind(launch) -> str:
+        return re.sub(r"^blk\.\d+\.", "", launch.name)
+
+    try:
+        feed = Feeder(model)
+        seq = be.new_seq()
+        decode_ms(be, seq, feed, 5)                     # a real position and step words in place, warm-up
+        full = timed("token", be._enq_token)
+        n_all = sum(len(ls) for stages in be.pre_tok + be.post for _, ls in stages)
+        say(f"whole-token graph: {full:.3f} ms, {n_all} launches in the layers")
+        res["full_ms"] = full
+        kept = (be.pre_tok, be.post)
+        for label, names in ABLATE.items():
+            def drop(stages_list):
+                return [[(st, [l for l in ls if kind(l) not in names]) for st, ls in stages]
+                        for stages in stages_list]
+            gone = sum(1 for stages in be.pre_tok + be.post for _, ls in stages for l in ls if kind(l) in names)
+            be.pre_tok, be.post = drop(kept[0]), drop(kept[1])
+            try:
+                ms = timed("token less " + label, be._enq_token)
+            finally:
+                be.pre_tok, be.post = kept
+            us = (full - ms) * 1e3 / max(gone, 1)
+            say(f"  without {label:36s} ({gone:3d} launches): {ms:.3f} ms, {us:5.2f} us a launch")
+            res["rows"].append({"kind": label, "launches": gone, "ms": ms, "us_per_launch": us})
+        be.shared_on_branch = False
+        try:
+            ms = timed("token, shared expert inline", be._enq_token)
+        finally:
+            be.shared_on_branch = True
+        say(f"  the shared expert on the main stream before the router, no branch: {ms:.3f} ms")
+        res["shared_inline_ms"] = ms
+        fn = be.kern.fn("gemv", "pdl_probe_b")
+        for ctas in (1, 264):
+            ls = [Launch(fn, "floor", (ctas,), (256,), 0, [P(be.b_xn), P(be.b_lo), I(1)]) for _ in range(720)]
+            ms = timed(f"floor {ctas}", lambda ls=ls: [l.enqueue(be.stream) for l in ls])
+            say(f"  a chain of 720 near-empty launches of {ctas} CTAs: {ms:.3f} ms, {ms / 720 * 1e3:.2f} us a launch")
+            res[f"floor_{ctas}_us"] = ms / 720 * 1e3
+        be.free_seq(seq)
+    finally:
+        be.close()
+    RESULTS["ablate"] = res
+
+
 def phase_profile(tokens: int) -> None:
     from strata.cuda.backend import CudaBackend
     from strata.cuda.driver import check, cu
@@ -766,7 +862,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
     ap.add_argument("--phases", default="tests,gemv,bench",
-                    help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile")
+                    help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile, ablate")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
@@ -789,6 +885,8 @@ def main() -> None:
                 phase_tests(["tests/test_cuda_kernels.py"])
             elif p == "tests":
                 phase_tests(["tests/test_cuda_kernels.py", "tests/test_cuda_backend.py"])
+            elif p == "ablate":
+                phase_ablate()
             elif p == "gemv":
                 phase_gemv(a.sweep, a.once)
             elif p == "qsa":

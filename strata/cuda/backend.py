@@ -163,6 +163,9 @@ class CudaBackend:
         self.stream, self.side = drv.Stream(), drv.Stream()
         # a whole-token graph's second branch (the shared expert's down projection beside the routed experts)
         self.branch, self.ev_fork, self.ev_join = drv.Stream(), drv.Event(), drv.Event()
+        # the whole-token graph runs the shared expert on a branch (_enq_token_layer); False: on the main stream
+        # before the router (bench/gpu_check.py's ablate phase compares the two)
+        self.shared_on_branch = True
         # ... and the third (mapped_reads="prefetch": the next layer's prediction and prefetch)
         self.branch2, self.ev_fork2, self.ev_pred, self.ev_pref = drv.Stream(), drv.Event(), drv.Event(), drv.Event()
         t0 = time.time()
@@ -648,15 +651,18 @@ class CudaBackend:
                                                                  Job(d["hc_ffn_inject"], self.b_xn, self.b_inj_f)]),
                                     _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "ffn_up_mix", d["hc_ffn_up"],
                                            self.b_lo, self.b_xn, self.b_x_ffn, hc, E)]))
-            # the shared expert's gate/up pair reads the same input as the router: one launch for the three
-            router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r),
-                                         Job(d["shexp_gate"], self.b_x_ffn, self.b_sg),
-                                         Job(d["ffn_gate_shexp"], self.b_x_ffn, self.b_h_sh, w2=d["ffn_up_shexp"])])
+            router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r)])
 
             def route(db, ids, il=il, p=p):
                 return _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route", cfg, il, self.b_logits_r,
                               self.b_x_ffn, ids, self.b_wts, self.b_step, db, self.b_ticket)
-            shared = ("shared", [gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
+            # The shared expert (its gate vector, its gate/up pair, its down projection) reads only the MoE input and
+            # only the combine reads its result: in a whole-token graph it is a branch beside the router, the route and
+            # the routed experts (_enq_token_layer), which keeps its 3.4 MB off the route's critical path.
+            shared = ("shared", [gemv(p + "shexp_gate_up", [Job(d["shexp_gate"], self.b_x_ffn, self.b_sg),
+                                                            Job(d["ffn_gate_shexp"], self.b_x_ffn, self.b_h_sh,
+                                                                w2=d["ffn_up_shexp"])]),
+                                 gemv(p + "shexp_down", [Job(d["ffn_down_shexp"], self.b_h_sh, self.b_shared)])])
             pre.append(st + [("route", [router, route(self.db.ptrs, self.b_ids)]), shared])
             w_next = self.L[il + 1]["hc_attn_norm"] if il + 1 < cfg.n_layer else self.w_out_norm
 
@@ -755,23 +761,24 @@ class CudaBackend:
             self._g[("post", il)] = Graph(f"post[{il}]", self.stream, lambda il=il: self._enq(self.post[il]))
         self._g["head"] = Graph("head", self.stream, self._enq_head)
         if self.pre_tok is not None:
-            post = self.post if self.experts == "vram" else self.post_m
-
-            def token():
-                self._enq_begin()
-                for il in range(n):
-                    pref = self.pref[il] if il < len(self.pref) else None      # none with every expert in VRAM
-                    self._enq_token_layer(self.pre_tok[il], post[il], pref, il > 0 and bool(self.pref))
-                self._enq_head()
-                if self.experts == "host":      # the layers' routes (and predictions), for the host's cache policy
-                    drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
-                                          self.stream, "mapped token routes")
-                    if self.pref:
-                        drv.memcpy_dtoh_async(self.h_pred.ptr, self.b_pred_ids.ptr, self.b_pred_ids.nbytes,
-                                              self.stream, "mapped token predictions")
-            self._g["token"] = Graph("token", self.stream, token)
+            self._g["token"] = Graph("token", self.stream, self._enq_token)
         if self.batch is not None:
             self.batch.capture()
+
+    def _enq_token(self) -> None:
+        """The whole-token graph's body: begin, every layer's pre and post, the head."""
+        post = self.post if self.experts == "vram" else self.post_m
+        self._enq_begin()
+        for il in range(self.cfg.n_layer):
+            pref = self.pref[il] if il < len(self.pref) else None      # none with every expert in VRAM
+            self._enq_token_layer(self.pre_tok[il], post[il], pref, il > 0 and bool(self.pref))
+        self._enq_head()
+        if self.experts == "host":      # the layers' routes (and predictions), for the host's cache policy
+            drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
+                                  self.stream, "mapped token routes")
+            if self.pref:
+                drv.memcpy_dtoh_async(self.h_pred.ptr, self.b_pred_ids.ptr, self.b_pred_ids.nbytes,
+                                      self.stream, "mapped token predictions")
 
     def _fork(self, branch: drv.Stream, ev: drv.Event) -> None:
         """branch continues from the main stream's current point (in a capture: a fork of the graph)."""
@@ -781,34 +788,38 @@ class CudaBackend:
         branch.wait(ev)
 
     def _enq_token_layer(self, pre, post, pref=None, joins: bool = False) -> None:
-        """pre[l] and post[l] inside a whole-token graph. The shared expert's down projection reads only the
-        router launch's output and only the combine reads its result, so it runs on a second branch beside the
-        routed experts: forked after the route stage, joined before the combine (one kernel a layer off the
-        critical path). pref (mapped_reads="prefetch"): layer l + 1's prediction and prefetch, on a third branch
-        forked once this layer's MoE input exists; joins: layer l - 1 forked one, so this layer's ffn read (it
+        """pre[l] and post[l] inside a whole-token graph. The shared expert reads only the MoE input (the ffn
+        read's output) and only the combine reads its result, so it runs on a second branch beside the router, the
+        route and the routed experts: forked after the ffn read, joined before the combine. pref
+        (mapped_reads="prefetch"): layer l + 1's prediction and prefetch, on a third branch forked once this
+        layer's MoE input exists; joins: layer l - 1 forked one, so this layer's ffn read (it
         rewrites the MoE input the prediction reads) waits for that prediction, and its fetch for that prefetch."""
         main = self.stream
-        shared = []
+        shared = next(launches for name, launches in pre if name == "shared")
         for name, launches in pre:
             if name == "shared":
-                shared = launches
                 continue
             if name == "ffn_read" and joins:
                 main.wait(self.ev_pred)
             for launch in launches:
                 launch.enqueue(main)
-            if name == "ffn_read" and pref is not None:
+            if name != "ffn_read":
+                continue
+            side = self.branch if self.shared_on_branch else main
+            if self.shared_on_branch:
+                self._fork(self.branch, self.ev_fork)
+            for launch in shared:
+                launch.enqueue(side)
+            if self.shared_on_branch:
+                self.ev_join.record(self.branch)
+            if pref is not None:
                 self._fork(self.branch2, self.ev_fork2)
                 for stage, launches2 in pref:
                     for launch in launches2:
                         launch.enqueue(self.branch2)
                     (self.ev_pred if stage == "predict" else self.ev_pref).record(self.branch2)
-        self._fork(self.branch, self.ev_fork)
-        for launch in shared:
-            launch.enqueue(self.branch)
-        self.ev_join.record(self.branch)
         for name, launches in post:
-            if name == "combine":
+            if name == "combine" and self.shared_on_branch:
                 main.wait(self.ev_join)
             if name == "fetch" and joins:
                 main.wait(self.ev_pref)

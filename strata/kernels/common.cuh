@@ -259,6 +259,23 @@ __device__ __forceinline__ void batched_pairs(const float* x, const float* y, in
     }
 }
 
+// The small kernels that end in a stream's norm (write_rms, combine_write_rms) hold a thread's elements of the
+// stream (e = tid + u nt, u < RMS_BATCH; E <= RMS_BATCH nt, their launchers check) in registers: the norm weights,
+// constant, read before pdl_begin (under the previous kernel's tail), and the new stream values, so that the norm's
+// scale needs no second round trip to memory for either.
+__device__ __forceinline__ void load_own(const float* __restrict__ w, int E, int tid, int nt, float (&v)[RMS_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < RMS_BATCH; u++) v[u] = tid + u * nt < E ? w[tid + u * nt] : 0.0f;
+}
+
+// out[e] = (v * inv) * w over this thread's elements (their values v and weights w held as load_own's)
+__device__ __forceinline__ void scale_own(const float (&v)[RMS_BATCH], const float (&w)[RMS_BATCH], float inv,
+                                          float* out, int E, int tid, int nt) {
+#pragma unroll
+    for (int u = 0; u < RMS_BATCH; u++)
+        if (tid + u * nt < E) out[tid + u * nt] = (v[u] * inv) * w[u];
+}
+
 // out[e] = (r[e] * inv) * w[e] over this thread's elements
 __device__ __forceinline__ void scale_into(const float* r, const float* w, float inv, float* out, int E, int tid,
                                            int nt) {

@@ -11,6 +11,7 @@
 // (positions t-K+1 .. t-1, zeros before the start) and writes row t % K, which no CTA reads this step. Key-head
 // channels are written by CTA h == kh only (the others read the same rows).
 // S (Hv, Dk, Dv): the recurrent state, as strata.reference.gdn.GdnState.S.
+#define GDN_CONV_CH 4       // conv channels a thread of gdn_core (gdn.py CONV_CH)
 extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const float* __restrict__ qkv, const float* __restrict__ z, const float* __restrict__ alpha,
     const float* __restrict__ beta, const float* __restrict__ conv_w, const float* __restrict__ dt,
@@ -25,8 +26,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     const int h = blockIdx.x, kh = h % Hk, kd = Hk * Dk, conv_dim = 2 * kd + Hv * Dv;
     const int tid = threadIdx.x + threadIdx.y * blockDim.x, nt = blockDim.x * blockDim.y;
     // The state is the largest read: issue it first, so it streams in while the conv and the norms run, and
-    // before pdl_begin: only this layer's gdn_core of an earlier step (or gdn_scan) wrote it, long complete, so it
-    // streams in under the projections' tail as well.
+    // before pdl_begin, with the conv's history in the ring, the step's position and the constants: only this
+    // layer's gdn_core of an earlier step (or gdn_scan) wrote the state and the ring rows read here, and the host's
+    // step copy began the token; a kernel's CTAs start only after the kernel two before it completed (every kernel
+    // passes pdl_begin before it lets the next one start), so all of them are long complete. Only the projections'
+    // outputs (qkv, z, alpha, beta) wait for pdl_begin.
     const int v = threadIdx.x, ky = threadIdx.y;
     const bool col = v < Dv;
     float* Sh = S + (size_t)h * Dk * Dv;
@@ -36,19 +40,32 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
         const int k = ky * 16 + i;
         st[i] = (col && k < Dk) ? Sh[(size_t)k * Dv + v] : 0.0f;
     }
-    pdl_begin();
     const int t = step[STEP_POS];
-
-    // 1. conv over [K-1 previous raw inputs, this one], SiLU on every channel (before the split)
-    for (int i = tid; i < 2 * Dk + Dv; i += nt) {
-        const int c = i < Dk ? kh * Dk + i : i < 2 * Dk ? kd + kh * Dk + (i - Dk) : 2 * kd + h * Dv + (i - 2 * Dk);
-        const float* wc = conv_w + (size_t)c * K;
-        float acc = 0.0f;
-        for (int j = 0; j < K - 1; j++) acc += ring[(size_t)((t + 1 + j) % K) * conv_dim + c] * wc[j];
-        const float cur = qkv[c];
-        acc += cur * wc[K - 1];
-        sm[i] = siluf_(acc);
-        if (i >= 2 * Dk || h == kh) ring[(size_t)(t % K) * conv_dim + c] = cur;
+    // 1. conv over [K-1 previous raw inputs, this one], SiLU on every channel (before the split): a thread's
+    // channels i = tid + u nt (u < GDN_CONV_CH, gdn.py checks), their history's part of the sum before pdl_begin
+    float hist[GDN_CONV_CH], w_cur[GDN_CONV_CH];
+    int chan[GDN_CONV_CH];
+#pragma unroll
+    for (int u = 0; u < GDN_CONV_CH; u++) {
+        const int i = tid + u * nt;
+        chan[u] = i < Dk ? kh * Dk + i : i < 2 * Dk ? kd + kh * Dk + (i - Dk) : 2 * kd + h * Dv + (i - 2 * Dk);
+        hist[u] = w_cur[u] = 0.0f;
+        if (i < 2 * Dk + Dv) {
+            const float* wc = conv_w + (size_t)chan[u] * K;
+            for (int j = 0; j < K - 1; j++) hist[u] += ring[(size_t)((t + 1 + j) % K) * conv_dim + chan[u]] * wc[j];
+            w_cur[u] = wc[K - 1];
+        }
+    }
+    const float a_h = A[h], dt_h = dt[h], nw = col ? norm_w[v] : 0.0f;
+    pdl_begin();
+#pragma unroll
+    for (int u = 0; u < GDN_CONV_CH; u++) {
+        const int i = tid + u * nt;
+        if (i < 2 * Dk + Dv) {
+            const float cur = qkv[chan[u]];
+            sm[i] = siluf_(hist[u] + cur * w_cur[u]);
+            if (i >= 2 * Dk || h == kh) ring[(size_t)(t % K) * conv_dim + chan[u]] = cur;
+        }
     }
     __syncthreads();
 
@@ -69,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
 
     // 3. gates: beta = sigmoid(beta_raw), decay exp(g) with g = A * softplus(alpha_raw + dt_bias)
     const float bt = sigmoidf_(beta[h]);
-    const float eg = expf(A[h] * softplusf_(alpha[h] + dt[h]));
+    const float eg = expf(a_h * softplusf_(alpha[h] + dt_h));
 
     // 4. S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; o = S^T q
     float p = 0.0f;
@@ -105,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_core(
     // 5. y = RMSNorm(o, ssm_norm) * sigmoid(z), per head
     const float ss = block_sum(ky == 0 && col ? o * o : 0.0f, red);
     const float inv = 1.0f / sqrtf(ss / (float)Dv + eps);
-    if (ky == 0 && col) y[(size_t)h * Dv + v] = ((o * inv) * norm_w[v]) * sigmoidf_(z[(size_t)h * Dv + v]);
+    if (ky == 0 && col) y[(size_t)h * Dv + v] = ((o * inv) * nw) * sigmoidf_(z[(size_t)h * Dv + v]);
 }
 
 // ---- a chunk of T rows of one sequence (positions step[POS] + t, t < step[T]) ---------------------------------

@@ -8,6 +8,7 @@ from strata.config import ModelConfig
 from strata.cuda.arena import DevArray
 from strata.cuda.launch import F, I, Launch, P, need
 
+CONV_CH = 4                     # gdn.cu GDN_CONV_CH: conv channels a thread of gdn_core
 SCAN_SMEM = 2 * 16 * 340 * 4    # gdn_scan's dynamic shared memory: 2 stages of GDN_ROWS (16) rows of GDN_RS (340) floats
 
 
@@ -38,6 +39,8 @@ def gdn_core_launch(fn, name: str, cfg: ModelConfig, qkv: DevArray, z: DevArray,
     need(y, name + " y", cfg.value_dim)
     need(step, name + " step", 8, np.int32)
     bx, ky = block_shape(cfg)
+    if 2 * D + D > CONV_CH * bx * ky:
+        raise ValueError(f"{name}: {3 * D} conv channels a head; {bx * ky} threads hold at most {CONV_CH} each")
     smem = (2 * D + D + ky * D) * 4
     return Launch(fn, name, (Hv,), (bx, ky), smem,
                   [P(qkv), P(z), P(alpha), P(beta), P(conv_w), P(dt), P(A), P(norm_w), P(ring), P(S), P(y), P(step),

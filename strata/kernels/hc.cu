@@ -13,29 +13,34 @@ extern "C" __global__ void __launch_bounds__(1024) rms_group(const float* __rest
 }
 
 // R[s] += inject_s * out with inject_s = 2 sigmoid(inj_raw[s] / hc) (gr_write), then xn[s] = RMSNorm(R[s]) * w[s]
-// (the next gr_read's norm); grid (hc, rows): R, xn (rows, hc, E), inj_raw (rows, hc), out (rows, E). Each
-// thread re-reads only what it wrote itself.
+// (the next gr_read's norm); grid (hc, rows): R, xn (rows, hc, E), inj_raw (rows, hc), out (rows, E). A thread's
+// elements stay in its registers (load_own; E <= RMS_BATCH * 1024).
 extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const float* __restrict__ inj_raw,
                                                              const float* __restrict__ out,
                                                              const float* __restrict__ w, float* xn, int E, int hc,
                                                              float eps) {
     __shared__ float red[33];
+    const int s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    float wv[RMS_BATCH], a[RMS_BATCH], b[RMS_BATCH];
+    load_own(w + (size_t)s * E, E, tid, nt, wv);
     pdl_begin();
-    const int s = blockIdx.x, row = blockIdx.y;
-    const float inj = 2.0f * sigmoidf_(inj_raw[row * hc + s] / (float)hc);
     const size_t o = ((size_t)row * hc + s) * E;
     float* r = R + o;
-    out += (size_t)row * E;
-    const int nt = blockDim.x;
+    const float inj_r = inj_raw[row * hc + s];
+    load_own(r, E, tid, nt, a);
+    load_own(out + (size_t)row * E, E, tid, nt, b);
+    const float inj = 2.0f * sigmoidf_(inj_r / (float)hc);
     float ss = 0.0f;
-    batched_pairs(r, out, E, threadIdx.x, nt, [&](int e, float a, float b) {
-        const float v = a + inj * b;
-        r[e] = v;
-        ss += v * v;
-    });
+#pragma unroll
+    for (int u = 0; u < RMS_BATCH; u++)
+        if (tid + u * nt < E) {
+            a[u] = a[u] + inj * b[u];
+            r[tid + u * nt] = a[u];
+            ss += a[u] * a[u];
+        }
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-    scale_into(r, w + (size_t)s * E, inv, xn + o, E, threadIdx.x, nt);
+    scale_own(a, wv, inv, xn + o, E, tid, nt);
 }
 
 // The batched gr_read's tail, around a GEMM G = lo @ up^T (rows, hc*E): lo[i] = silu(lo_raw[i] / hc) for the

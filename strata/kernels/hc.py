@@ -20,9 +20,19 @@ def rms_group_launch(fn, name: str, R: DevArray, w: DevArray, xn: DevArray, hc: 
     return Launch(fn, name, (hc, rows), (1024,), 0, [P(R), P(w), P(xn), I(E), F(eps)])
 
 
+# common.cuh load_own: the norm kernels' 1024 threads hold a stream's elements in registers, RMS_BATCH (4) each
+OWN_MAX = 4 * 1024
+
+
+def own_elements(name: str, E: int) -> None:
+    if E > OWN_MAX:
+        raise ValueError(f"{name}: a stream of {E} values; the norm kernels hold at most {OWN_MAX} in registers")
+
+
 def write_rms_launch(fn, name: str, R: DevArray, inj_raw: DevArray, out: DevArray, w: DevArray, xn: DevArray,
                      hc: int, E: int, eps: float, rows: int = 1) -> Launch:
     """R[t, s] += 2 sigmoid(inj_raw[t, s] / hc) * out[t], then xn[t, s] = RMSNorm(R[t, s]) * w[s]."""
+    own_elements(name, E)
     need(inj_raw, name + " inject", rows * hc)
     need(out, name + " out", rows * E)
     need(w, f"{name} norm", hc * E)

@@ -278,7 +278,9 @@ __device__ __forceinline__ float combined_at(const float* sw, const float* const
 // host_parts[j] (combine); R[s] += inject_s out with inject_s = 2 sigmoid(inj_raw[s] / hc) (gr_write); then
 // xn[s] = RMSNorm(R[s]) * w_next[s], the next read's norm (the next layer's attention read, or the final mixer).
 // grid hc; CTA 0 also writes `comb` (the combine stage's output). The weights and part rows are read into shared
-// memory first, so each element's k loads are independent (no chain of dependent reads).
+// memory first, so each element's k loads are independent (no chain of dependent reads); the stream's own values,
+// its inject and gate are read in the same round, the next norm's weights before pdl_begin (load_own; E <=
+// RMS_BATCH * 1024), and every element's parts are loaded before any store.
 extern "C" __global__ void __launch_bounds__(1024) combine_write_rms(
     const float* __restrict__ wts, const i32* __restrict__ slots, const float* __restrict__ gpu_parts,
     const float* __restrict__ host_parts, const float* __restrict__ shared, const float* __restrict__ sg,
@@ -287,26 +289,34 @@ extern "C" __global__ void __launch_bounds__(1024) combine_write_rms(
     __shared__ float red[33];
     __shared__ float sw[64];
     __shared__ const float* sp[64];
-    pdl_begin();
     const int s = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    float wv[RMS_BATCH], rv[RMS_BATCH], o[RMS_BATCH];
+    load_own(w_next + (size_t)s * E, E, tid, nt, wv);
+    pdl_begin();
     if (tid < k) {
         sw[tid] = wts[tid];
         sp[tid] = (slots[tid] >= 0 ? gpu_parts : host_parts) + (size_t)tid * E;
     }
-    __syncthreads();
-    const float inj = 2.0f * sigmoidf_(inj_raw[s] / (float)hc), gs = sigmoidf_(sg[0]);
     float* r = R + (size_t)s * E;
+    load_own(r, E, tid, nt, rv);
+    const float inj_r = inj_raw[s], sg_r = sg[0];
+    __syncthreads();
+    const float inj = 2.0f * sigmoidf_(inj_r / (float)hc), gs = sigmoidf_(sg_r);
+#pragma unroll
+    for (int u = 0; u < RMS_BATCH; u++) o[u] = tid + u * nt < E ? combined_at(sw, sp, k, shared, gs, tid + u * nt) : 0.0f;
     float ss = 0.0f;
-    for (int e = tid; e < E; e += nt) {
-        const float o = combined_at(sw, sp, k, shared, gs, e);
-        if (s == 0) comb[e] = o;
-        const float v = r[e] + inj * o;
-        r[e] = v;
-        ss += v * v;
-    }
+#pragma unroll
+    for (int u = 0; u < RMS_BATCH; u++)
+        if (tid + u * nt < E) {
+            const int e = tid + u * nt;
+            if (s == 0) comb[e] = o[u];
+            rv[u] = rv[u] + inj * o[u];
+            r[e] = rv[u];
+            ss += rv[u] * rv[u];
+        }
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-    scale_into(r, w_next + (size_t)s * E, inv, xn + (size_t)s * E, E, tid, nt);
+    scale_own(rv, wv, inv, xn + (size_t)s * E, E, tid, nt);
 }
 
 // ---- the batched step's routed experts: the step's (row, choice) pairs grouped by expert, on the device -------

@@ -12,7 +12,7 @@ from strata.cuda.arena import DevArray, DevMat
 from strata.cuda.launch import F, I, Launch, P, need
 from strata.kernels.build import define
 from strata.kernels.gemv import CTA_THREADS, KERNEL_TYPES, device_row_bytes, geometry, tile_smem, xq_bytes
-from strata.kernels.hc import MAX_HC
+from strata.kernels.hc import MAX_HC, own_elements
 
 MAX_EXPERTS = 1024      # one router thread per expert
 MAX_USED = 64           # pk[] in moe_route
@@ -227,6 +227,7 @@ def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArr
                    host_parts: DevArray, shared: DevArray, sg: DevArray, inj_raw: DevArray, R: DevArray,
                    comb: DevArray, w_next: DevArray, xn: DevArray) -> Launch:
     k, E, hc = cfg.n_expert_used, cfg.n_embd, cfg.hc
+    own_elements(name, E)
     need(wts, name + " weights", k)
     need(slots, name + " slots", k, np.int32)
     need(gpu_parts, name + " GPU parts", k * E)
