@@ -172,16 +172,18 @@ GEMV_CASES = [   # (label, type, n_out, n_in, kind): kind gemv | glu | experts
 ]
 
 
-def graph_ms(label: str, stream, launches) -> float:
-    """Median ms of 15 replays of a captured graph of `launches` in order, after a warm-up replay."""
+def graph_ms(label: str, stream, launches=(), body=None, reps: int = 15, warm: int = 1) -> float:
+    """Median ms of `reps` replays of a captured graph of `launches` in order (or of what body() enqueues on
+    `stream`), after `warm` warm-up replays."""
     from strata.cuda import driver as drv
     from strata.cuda.graphs import Graph
-    graph = Graph(label, stream, lambda: [l.enqueue(stream) for l in launches])
+    graph = Graph(label, stream, body or (lambda: [l.enqueue(stream) for l in launches]))
     e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
-    graph.launch(stream)
+    for _ in range(warm):
+        graph.launch(stream)
     stream.synchronize("warm-up")
     times = []
-    for _ in range(15):
+    for _ in range(reps):
         e0.record(stream)
         graph.launch(stream)
         e1.record(stream)
@@ -730,9 +732,7 @@ def phase_ablate() -> None:
     the same process, per launch left out. And the floor of a launch in such a graph: chains of 720 launches of a
     kernel that does almost nothing (one CTA, then 264), with programmatic dependent launch as in the token."""
     import re
-    from strata.cuda import driver as drv
     from strata.cuda.backend import CudaBackend
-    from strata.cuda.graphs import Graph
     from strata.cuda.launch import I, Launch, P
     from strata.model.loader import load_model
     if not FLASH.exists():
@@ -742,22 +742,7 @@ def phase_ablate() -> None:
     res: dict = {"device": be.dev.name, "rows": []}
 
     def timed(label: str, body) -> float:
-        g = Graph(label, be.stream, body)
-        e0, e1 = drv.Event(timing=True), drv.Event(timing=True)
-        for _ in range(3):
-            g.launch(be.stream)
-        be.stream.synchronize("warm-up")
-        times = []
-        for _ in range(30):
-            e0.record(be.stream)
-            g.launch(be.stream)
-            e1.record(be.stream)
-            e1.synchronize(label)
-            times.append(e1.elapsed_ms(e0))
-        g.destroy()
-        e0.destroy()
-        e1.destroy()
-        return float(np.median(times))
+        return graph_ms(label, be.stream, body=body, reps=30, warm=3)
 
     def kind(launch) -> str:
         return re.sub(r"^blk\.\d+\.", "", launch.name)
