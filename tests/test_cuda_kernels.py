@@ -216,8 +216,8 @@ def test_gemv_formats(rig, qt, blocks, monkeypatch):
     assert kgemv.warps_per_row(qt, n_long) > 1
 
 
-GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 4)] + \
-        [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS, f32=True) for tpg, rr in ((8, 4), (128, 1))]
+GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 3, 4)] + \
+        [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS, f32=True) for tpg, rr in ((8, 4), (64, 3), (128, 1))]
 
 
 @both_rigs
