@@ -805,13 +805,14 @@ class CudaBackend:
                 launch.enqueue(main)
             if name != "ffn_read":
                 continue
-            side = self.branch if self.shared_on_branch else main
             if self.shared_on_branch:
                 self._fork(self.branch, self.ev_fork)
-            for launch in shared:
-                launch.enqueue(side)
-            if self.shared_on_branch:
+                for launch in shared:
+                    launch.enqueue(self.branch)
                 self.ev_join.record(self.branch)
+            else:
+                for launch in shared:
+                    launch.enqueue(main)
             if pref is not None:
                 self._fork(self.branch2, self.ev_fork2)
                 for stage, launches2 in pref:
