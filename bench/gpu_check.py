@@ -216,7 +216,7 @@ def sweep_geoms(n_out: int, rb: int, halves: int, xq: int):
     from strata.kernels.gemv import CTA_THREADS, Geom, tile_fits
     tpg = 4
     while tpg <= CTA_THREADS:
-        for rr in (1, 2, 3, 4):        # 3 too: the time model never picks it; the sweep shows what it would give
+        for rr in (1, 2, 3, 4):
             g = Geom(tpg, rr, CTA_THREADS)
             if tile_fits(g, n_out, rb, halves, xq):
                 yield g

@@ -75,7 +75,7 @@ def n_parts(qt: int, n_in: int) -> int:
 @dataclass(frozen=True)
 class Geom:
     tpg: int      # threads per row group (a power of 2, 4 .. nt)
-    rr: int       # rows per thread (1, 2 or 4), sharing the thread's x loads
+    rr: int       # rows per thread (1 to 4), sharing the thread's x loads
     nt: int       # threads per CTA
     f32: bool = False   # gemv_jobs: the f32 path for this job even where its format has the integer path
 
@@ -103,7 +103,9 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
     4 elements of each part it takes) cost ~40x its decode instructions, so rows per thread (RR, sharing them)
     matter most; the fit's pick was within 2% of the fastest geometry on each of the five. That fit is of the
     kernel that took one tile a CTA, copy then compute; the tile ring (gemv_jobs) keeps the model until a sweep
-    of the ring refits it."""
+    of the ring refits it. RR 3 is tried too: the ring's sweep (H100, bench/RESULTS.md "twelfth session") had
+    TPG 32, RR 3 fastest on the IQ4_XS in-projections (attn_qkv 16.5 us against 18.3 for the pick before, attn_gate
+    11.4 against 13.4), the model now picks it there, and the all-VRAM token went 6.753 -> 6.616 ms."""
     qt = QType(qt)
     np_ = n_parts(qt, n_in)
     epp = 8 if qt in FLOAT_TYPES else BLOCKS[qt][0] * 1 // BLOCKS[qt][2]
@@ -112,7 +114,7 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
     best, best_t = None, None
     tpg = 4
     while tpg <= nt:
-        for rr in ((rr_only,) if rr_only else (4, 2, 1)):
+        for rr in ((rr_only,) if rr_only else (4, 3, 2, 1)):
             g = Geom(tpg, rr, nt)
             tile = min(g.rows, n_out) * rb * halves + 32 * halves
             if tile > tile_max and not (tpg == nt and rr == (rr_only or 1)):
