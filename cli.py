@@ -91,7 +91,7 @@ def _host(a):
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host, ple_cache_bytes=ple, prefetch=a.prefetch,
                       stream_experts=a.stream_experts, map_experts=a.map_experts, mapped_reads=a.mapped_reads,
-                      promote_per_layer=a.promote_per_layer, promote_after=a.promote_after, **ctx)
+                      promote_per_layer=a.promote_per_layer, cache_half_life=a.cache_half_life, **ctx)
 
 
 def _log(line: str) -> None:
@@ -348,9 +348,9 @@ def _engine_options(g) -> None:
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")
-    g.add_argument("--promote-after", type=_at_least(1, "a number of misses"), default=2, metavar="N",
-                   help="mapped tokens: promote an expert once mapped tokens have missed it N times since its last "
-                        "promotion (default 2, which spares the cache one-off routes; 1: at every miss)")
+    g.add_argument("--cache-half-life", type=_at_least(1, "a number of tokens"), default=512, metavar="TOKENS",
+                   help="the VRAM expert cache counts each expert's routes, a route TOKENS tokens old worth half a new "
+                        "one; a mapped token's miss is promoted only over a less popular victim (default 512)")
     g.add_argument("--ple-cache-mib", type=_ple_cache, default="auto", metavar="MIB|auto",
                    help="PLE table rows kept in RAM: a hot-row cache of MIB (0: every row is read from the file), "
                         "the whole table (read at open) when MIB is at least its size; auto: the whole table when it "

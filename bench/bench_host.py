@@ -48,9 +48,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="HostConfig.mapped_reads: a mapped token's misses copied into VRAM by a kernel on every SM "
                         "first (fetch; prefetch: also the next layer's predicted misses a layer early), or read over PCIe by the "
                         "expert kernels (direct)")
-    p.add_argument("--promote-after", type=int, default=None, metavar="N",
-                   help="HostConfig.promote_after: mapped misses before an expert is promoted into the VRAM cache "
-                        "(default: the engine's)")
+    p.add_argument("--cache-half-life", type=int, default=None, metavar="TOKENS",
+                   help="HostConfig.cache_half_life: the half-life in tokens of the routes the VRAM cache ranks "
+                        "experts by (default: the engine's)")
     p.add_argument("--trace", help="write the JSON-lines trace here (default: a temporary file)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the measured request, run one more of the same length under cProfile (the loop's "
@@ -75,7 +75,7 @@ async def run(a: argparse.Namespace, trace: str) -> None:
     host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * GIB),
                       host_budget_bytes=None if a.host_budget_gib is None else int(a.host_budget_gib * GIB),
                       cpu_threads=a.cpu_threads, map_experts=a.map_experts, mapped_reads=a.mapped_reads,
-                      **({} if a.promote_after is None else {"promote_after": a.promote_after}))
+                      **({} if a.cache_half_life is None else {"cache_half_life": a.cache_half_life}))
     t0 = time.perf_counter()
     async with await Engine.open(a.model, backend=a.backend, host=host, trace=trace) as e:
         s, cfg = e.scheduler, e.cfg

@@ -92,7 +92,7 @@ KEY = {"decode": "decode_ms", "prefill": "prefill_tok_s", "streams": "agg_tok_s"
 def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: float, experts: str = "auto",
                  preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
                  stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int | None = None,
-                 promote_per_layer: int | None = None, promote_after: int | None = None,
+                 promote_per_layer: int | None = None, cache_half_life: int | None = None,
                  mapped_reads: str = "fetch") -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
@@ -126,7 +126,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         eng = await Engine.open(model, backend=backend, trace=trace, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
             stream_experts=stream_experts, map_experts=map_experts, mapped_reads=mapped_reads, step_tokens=step_tokens,
-            promote_per_layer=promote_per_layer, **({} if promote_after is None else {"promote_after": promote_after}),
+            promote_per_layer=promote_per_layer, **({} if cache_half_life is None else {"cache_half_life": cache_half_life}),
             prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
         cfg = eng.cfg
         if preload:
@@ -415,9 +415,9 @@ def main() -> None:
     p.add_argument("--promote-per-layer", type=int, default=None, metavar="N",
                    help="budget24: strata's HostConfig.promote_per_layer (a mapped token's misses promoted into the "
                         "VRAM cache a layer; default: all)")
-    p.add_argument("--promote-after", type=int, default=None, metavar="N",
-                   help="budget24: strata's HostConfig.promote_after (misses before an expert is promoted; default: "
-                        "the engine's)")
+    p.add_argument("--cache-half-life", type=int, default=None, metavar="TOKENS",
+                   help="budget24: strata's HostConfig.cache_half_life (the half-life of the routes the VRAM cache "
+                        "ranks experts by; default: the engine's)")
     p.add_argument("--skip-strata", default="", help="comma list of measurement labels not run for strata")
     p.add_argument("--skip-llama", action="store_true", help="strata's cells only (on the GPU: llama.cpp's were "
                    "measured by an earlier call on the same machine)")
@@ -566,7 +566,7 @@ def strata_cells(a, model: str, jobs: list, ll: dict, budget: bool) -> None:
     spec = dict(engine="strata", model=model, backend="cuda", n_decode=a.decode, vram_gib=24.0 if budget else 130.0,
                 experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2,
                 stream_experts=a.stream_experts, map_experts=a.map_experts, step_tokens=a.step_tokens,
-                promote_per_layer=a.promote_per_layer, promote_after=a.promote_after, mapped_reads=a.mapped_reads)
+                promote_per_layer=a.promote_per_layer, cache_half_life=a.cache_half_life, mapped_reads=a.mapped_reads)
     mine = [(label, kind, n, 1 if kind == "decode" or n > 1024 else a.repeats)
             for label, kind, n in jobs if label not in skip]
     strata = strata_measure(spec, mine, a.timeout) if mine else {}

@@ -119,29 +119,33 @@ async def test_promotions_per_layer_are_capped(cap, realistic_gguf):
 
 
 @pytest.mark.asyncio
-async def test_promotion_waits_for_a_second_miss(realistic_gguf):
-    """HostConfig.promote_after = 2: an expert is loaded into the cache only once mapped tokens have missed it
-    twice since its last promotion, so every load follows an earlier miss of the same expert; the logits are the
-    reference's all the same."""
+async def test_promotions_outrank_their_victims(realistic_gguf):
+    """A mapped token's misses are promoted most popular first, each only over a less popular victim: every
+    ranked placement into a full cache evicts the least recently used expert exactly when that one's decayed route
+    count is below the newcomer's, refusals happen once the cache is full, and the logits are the reference's."""
     model = load_model(realistic_gguf)
     blob = ExpertLayout.from_model(model).blob_bytes(0)
-    be = Spy(model, 32)
-    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=32 * blob, map_experts="always",
-                                            promote_after=2))
+    be = Spy(model, 24)
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=24 * blob, map_experts="always",
+                                            cache_half_life=4))
+    cache, place, calls = sched.cache, sched.cache.place, []
+
+    def watched(layer, expert, nbytes, keep, evict=True, ranked=False):
+        full = not cache._free
+        victim = next((k for k in cache._lru if not (k[0] == layer and k[1] in keep)), None)
+        mine, theirs = cache.score[layer, expert], cache.score[victim] if victim else None
+        got = place(layer, expert, nbytes, keep, evict, ranked)
+        if ranked and full and victim is not None:
+            calls.append((mine, theirs, got, victim in cache._lru))
+        return got
+    cache.place = watched
     try:
         await _preload(sched)
         await assert_parity(sched, Engine.open_sync(realistic_gguf), TOKENS)
-        assert be.loads
-        misses: dict[tuple[int, int], list[int]] = {}          # (layer, expert) -> mapped tokens that missed it
-        for at, (ids, res) in enumerate(be.tokens):
-            for il in range(ids.shape[0]):
-                for e in ids[il][~res[il]].tolist():
-                    misses.setdefault((il, e), []).append(at)
-        last: dict[tuple[int, int], int] = {}
-        for at, layer, expert, _ in be.loads:   # loaded after launch at - 1 (be.launches = at): token at - 2's misses
-            seen = [t for t in misses[layer, expert] if last.get((layer, expert), -1) < t <= at - 2]
-            assert len(seen) >= 2, (at, layer, expert, seen)
-            last[layer, expert] = at - 2
+        assert be.loads and calls
+        for mine, theirs, got, kept in calls:
+            assert (got is not None) == (mine > theirs) and kept == (got is None), (mine, theirs, got, kept)
+        assert any(got is None for _, _, got, _ in calls) and any(got is not None for _, _, got, _ in calls)
     finally:
         await sched.aclose()
 
@@ -278,8 +282,8 @@ def test_host_config_checks_map_experts():
         HostConfig(map_experts="sometimes")
     with pytest.raises(ValueError, match="promote_per_layer"):
         HostConfig(promote_per_layer=-1)
-    with pytest.raises(ValueError, match="promote_after"):
-        HostConfig(promote_after=0)
+    with pytest.raises(ValueError, match="cache_half_life"):
+        HostConfig(cache_half_life=0)
     with pytest.raises(ValueError, match="mapped_reads"):
         HostConfig(mapped_reads="sometimes")
     for reads in MAPPED_READS:
@@ -378,7 +382,7 @@ def test_fetch_staging_holds_any_alignment():
 def test_token_counts_equal_layer_records():
     """count_token + touch_token (a mapped token's routes at once) leave the cache as record() layer by layer."""
     rng = np.random.default_rng(3)
-    a, b = VramCache(40, 1 << 30), VramCache(40, 1 << 30)
+    a, b = VramCache(40, 1 << 30, 4, 16), VramCache(40, 1 << 30, 4, 16)
     for c in (a, b):
         for i in range(40):
             c.place(i % 4, (7 * i) % 16, 1, set())
@@ -389,3 +393,4 @@ def test_token_counts_equal_layer_records():
     b.count_token(ids, res)
     b.touch_token(ids, res)
     assert list(a._lru) == list(b._lru) and dict(a.hits) == dict(b.hits) and dict(a.lookups) == dict(b.lookups)
+    assert (a.score == b.score).all()

@@ -374,7 +374,7 @@ def test_miss_split_follows_measured_costs():
 
 
 def test_vram_cache_policy():
-    cache = VramCache(slots=3, budget_bytes=250)
+    cache = VramCache(slots=3, budget_bytes=250, n_layer=2, n_expert=16)
     assert cache.place(0, 1, 100, keep={1, 2}) is not None
     assert cache.place(0, 2, 100, keep={1, 2}) is not None
     assert cache.place(0, 3, 100, keep={1, 2, 3}) is None                  # the budget, and both are in use
@@ -385,6 +385,29 @@ def test_vram_cache_policy():
     cache.record(0, np.array([2, 5]), np.array([True, False]), np.array([3, 1]))
     assert cache.hits[0] == 3 and cache.lookups[0] == 4 and cache.lookups[1] == 1      # counted per pair
     assert cache.place(0, 9, 300, keep=set()) is None                      # larger than the whole budget
+
+
+def test_vram_cache_ranks_by_decayed_routes():
+    """popularity(): routes counted with the half-life (a route half_life tokens old counts half); a ranked
+    placement evicts the least recently used expert only when that one is less popular than the newcomer."""
+    cache = VramCache(slots=2, budget_bytes=1 << 20, n_layer=2, n_expert=8, half_life=4)
+    cache.record(0, np.array([1, 2]), np.array([False, False]), np.array([3, 1]))
+    cache.tick(4)
+    cache.count_token(np.array([[1, 3], [5, 6]]), np.zeros((2, 2), bool))
+    assert cache.popularity(0, 1) == pytest.approx(3 / 2 + 1)       # 3 routes a half-life ago, 1 now
+    assert cache.popularity(0, 2) == pytest.approx(0.5) and cache.popularity(1, 5) == pytest.approx(1.0)
+    assert cache.place(0, 2, 1, set()) is not None and cache.place(0, 1, 1, set()) is not None
+    assert cache.place(1, 5, 1, set(), ranked=True) is not None         # 1.0 > (0, 2)'s 0.5: it goes
+    assert (0, 2) not in cache._lru and (1, 5) in cache._lru
+    assert cache.place(0, 3, 1, set(), ranked=True) is None             # 1.0 against (0, 1)'s 2.5: nothing moves
+    assert list(cache._lru) == [(0, 1), (1, 5)]
+    assert cache.place(0, 3, 1, set()) is not None                      # unranked, as an upload: LRU
+    assert (0, 1) not in cache._lru
+    for _ in range(10 ** 4):                                            # far past float64 without the rescale
+        cache.tick(4 * 1000)
+    assert np.isfinite(cache.score).all() and cache.popularity(0, 3) == 0.0
+    with pytest.raises(ValueError, match="half-life"):
+        VramCache(1, 1, 1, 1, half_life=0)
 
 
 @pytest.mark.parametrize("n_experts,threads", [(1, 4), (3, 8), (5, 2)])

@@ -417,12 +417,20 @@ class CpuExpertPool:
 
 
 class VramCache:
-    """Which experts the backend holds, slot by slot: LRU within `slots` and a byte budget, hit counts per layer.
+    """Which experts the backend holds, slot by slot: LRU within `slots` and a byte budget, hit counts per layer,
+    and each expert's popularity: its routes counted with a half-life of `half_life` tokens (a route `half_life`
+    tokens ago counts half as much as one now).
 
-    The host picks the slot an upload goes to; the experts of the layer being computed are never evicted.
+    The host picks the slot an upload goes to; the experts of the layer being computed are never evicted. A copy
+    the host may skip (a mapped token's promotion) is ranked: it takes the least recently used expert's slot only
+    if its own routes outnumber that expert's, so one-off routes neither evict the experts most tokens use nor
+    spend PCIe on copies (bench/RESULTS.md, "twelfth session": the replayed flash routing at 36% of the experts
+    hit 70.8% with promotions after two misses and 79.0% ranked, with 70 -> 2 promotions a token).
     """
 
-    def __init__(self, slots: int, budget_bytes: int):
+    def __init__(self, slots: int, budget_bytes: int, n_layer: int, n_expert: int, half_life: float = 512):
+        if half_life <= 0:
+            raise ValueError(f"VramCache: a half-life of {half_life} tokens")
         self.slots, self.budget = slots, budget_bytes
         self.bytes = 0
         self._lru: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()   # (layer, expert) -> (slot, bytes)
@@ -430,14 +438,31 @@ class VramCache:
         self.lookups: dict[int, int] = defaultdict(int)
         self.hits: dict[int, int] = defaultdict(int)
         self.uploads = 0
+        self.half_life = float(half_life)
+        # routes, each weighted by _w at its token: _w doubles every half_life tokens, so score / _w is the decayed
+        # count and comparing two scores needs no decay of the whole table
+        self.score = np.zeros((n_layer, n_expert), np.float64)
+        self._w = 1.0
 
     def __len__(self) -> int:
         return len(self._lru)
 
+    def tick(self, tokens: int) -> None:
+        """`tokens` more tokens went by: a route from now on counts 2 ** (tokens / half_life) times as much."""
+        self._w *= 2.0 ** (tokens / self.half_life)
+        if self._w > 1e200:                 # rescale before float64 runs out (after ~340,000 half-lives' tokens)
+            self.score /= self._w
+            self._w = 1.0
+
+    def popularity(self, layer: int, expert) -> np.ndarray | float:
+        """Routes of (layer, expert) counted with the half-life, as of now."""
+        return self.score[layer, expert] / self._w
+
     def record(self, layer: int, experts: np.ndarray, resident: np.ndarray, pairs: np.ndarray) -> None:
         """Count a step's routing (distinct experts (U,), the backend's resident mask, each one's (row, expert)
-        pairs): hits and lookups per pair, the hits made most recently used."""
+        pairs): hits and lookups per pair, the experts' popularity, the hits made most recently used."""
         self.lookups[layer] += int(pairs.sum())
+        self.score[layer, experts] += self._w * pairs
         if resident.any():
             self.hits[layer] += int(pairs[resident].sum())
             for e in experts[resident].tolist():
@@ -446,10 +471,11 @@ class VramCache:
 
     def count_token(self, ids: np.ndarray, resident: np.ndarray) -> None:
         """record()'s counts for a one-row step's routes of every layer at once (ids, resident: (n_layer, k))."""
-        k = ids.shape[1]
+        n_layer, k = ids.shape
         for il, h in enumerate(resident.sum(axis=1).tolist()):
             self.lookups[il] += k
             self.hits[il] += h
+        self.score[np.repeat(np.arange(n_layer), k), ids.reshape(-1)] += self._w    # a layer's ids are distinct
 
     def touch_token(self, ids: np.ndarray, resident: np.ndarray) -> None:
         """record()'s recency for those routes: every hit made most recently used."""
@@ -458,17 +484,19 @@ class VramCache:
             if key in lru:
                 lru.move_to_end(key)
 
-    def place(self, layer: int, expert: int, nbytes: int, keep: set[int], evict: bool = True) -> int | None:
+    def place(self, layer: int, expert: int, nbytes: int, keep: set[int], evict: bool = True,
+              ranked: bool = False) -> int | None:
         """A slot for expert (layer, expert), evicting least recently used ones; None when nothing may go
         (every candidate is one of this layer's routed experts `keep`, or the expert exceeds the budget).
-        evict=False: a free slot within the budget or None (a streamed prompt fills the cache, never evicts)."""
+        evict=False: a free slot within the budget or None (a streamed prompt fills the cache, never evicts).
+        ranked: evict only experts less popular than this one (None when the least recently used is not)."""
         if nbytes > self.budget or self.slots == 0:
             return None
         if not evict and (not self._free or self.bytes + nbytes > self.budget):
             return None
         while not self._free or self.bytes + nbytes > self.budget:
             victim = next(((k, v) for k, v in self._lru.items() if not (k[0] == layer and k[1] in keep)), None)
-            if victim is None:
+            if victim is None or (ranked and self.score[victim[0]] >= self.score[layer, expert]):
                 return None
             key, (slot, size) = victim
             del self._lru[key]

@@ -167,12 +167,11 @@ class HostConfig:
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads
-    promote_after: int = 2                  # ... and only an expert missed this many times by mapped tokens since
-                                            # it was last promoted (1: every miss). 2 keeps one-off routes from
-                                            # evicting the cache's experts and from spending PCIe on copies: a
-                                            # fresh prompt's 24 GiB decode 23.8 ms/token against 27.2 at 1 (H200,
-                                            # flash, realistic routing); no promotion at all measured 22.1 there
-                                            # but leaves the cache as the prompts filled it for good
+    cache_half_life: int = 512              # ... and only those more popular than the cache's least recently used
+                                            # expert, the one a promotion evicts: the cache counts every expert's
+                                            # routes, a route this many tokens old worth half a new one. A copy
+                                            # shares PCIe with the next token's own reads, so one-off routes are
+                                            # not copied (VramCache; bench/RESULTS.md, "twelfth session")
     poll: PollPolicy = PollPolicy()
 
     def __post_init__(self):
@@ -187,8 +186,8 @@ class HostConfig:
             raise ValueError(f"HostConfig.step_tokens = {self.step_tokens}: a step holds at least one token")
         if self.promote_per_layer is not None and self.promote_per_layer < 0:
             raise ValueError(f"HostConfig.promote_per_layer = {self.promote_per_layer}: 0 or more, or None")
-        if self.promote_after < 1:
-            raise ValueError(f"HostConfig.promote_after = {self.promote_after}: 1 (every miss) or more")
+        if self.cache_half_life < 1:
+            raise ValueError(f"HostConfig.cache_half_life = {self.cache_half_life}: 1 token or more")
 
 
 @dataclass(frozen=True)
@@ -304,7 +303,8 @@ class Scheduler:
                                  alloc=getattr(backend, "host_alloc", None), direct=host.direct_io,
                                  n_expert=self.cfg.n_expert)
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
-        self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes)
+        self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes, self.cfg.n_layer, self.cfg.n_expert,
+                               host.cache_half_life)
         self.costs = MissCosts(self.cfg.n_layer)
         # host-to-device copy rate of an upload from pinned memory (the CUDA backend measures it at open)
         self.h2d_bps = getattr(backend, "h2d_bytes_per_s", None) or H2D_BYTES_PER_S
@@ -331,7 +331,6 @@ class Scheduler:
         self._can_map = host.map_experts != "never" and hasattr(backend, "map_experts")
         self._mapped = False
         self._map_routes: tuple[np.ndarray, np.ndarray] | None = None    # the last mapped token's, to promote
-        self._missed = np.zeros((self.cfg.n_layer, self.cfg.n_expert), np.int32)  # mapped misses since promoted
         has_ple = bool(self.cfg.ple_layers)
         # PLE reads get their own thread: queued behind a layer's expert reads they would be late for layer 1
         self.ple = None
@@ -841,6 +840,7 @@ class Scheduler:
 
     async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
         be, n = self.backend, self.cfg.n_layer
+        self.cache.tick(step.T)
         stream = self._streams(step)
         st.mode = "stream" if stream else "split"
         (self.chunk_modes if step.T > 1 else self.decode_modes)[st.mode] += 1
@@ -1001,9 +1001,9 @@ class Scheduler:
         be.launch_whole(step, e)
         t1 = clock()
         st.span("token_launch", -1, t0, t1)
-        if after_launch is not None:
-            after_launch()
         self._run_tail(st)                             # the last step's deliveries and records, beside the graph
+        if after_launch is not None:                   # after the records: a promotion ranks by routes counted
+            after_launch()
         t1 = clock()
         # the graph takes about as long as the last ones did: sleep through most of it (the loop's timers are
         # ~1 ms coarse), then poll; a backoff alone would overshoot a 9 ms graph by up to its last sleep
@@ -1058,6 +1058,7 @@ class Scheduler:
         promoted into the cache (their copies overlap this token; the backend serves a slot once its copy is done).
         The trace counts the misses as RAM-tier experts read over PCIe."""
         be, cfg = self.backend, self.cfg
+        self.cache.tick(1)
         st.mode = "mapped"
         self.decode_modes["mapped"] += 1
         t_begin = clock()
@@ -1095,9 +1096,9 @@ class Scheduler:
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
         """A mapped token's misses into the VRAM cache (LRU, its hits made most recently used first), each copied
-        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them. Only
-        experts missed HostConfig.promote_after times since their last promotion, at most
-        HostConfig.promote_per_layer a layer, in route order."""
+        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them. The
+        most popular first, each only over a less popular victim (VramCache.place ranked), at most
+        HostConfig.promote_per_layer a layer."""
         be, cache, cap = self.backend, self.cache, self.host.promote_per_layer
         cache.touch_token(ids, res)
         for il in range(ids.shape[0]):
@@ -1105,15 +1106,13 @@ class Scheduler:
             if not miss.size:
                 continue
             lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
-            self._missed[il, lack] += 1
-            lack = lack[self._missed[il, lack] >= self.host.promote_after]
+            lack = lack[np.argsort(-cache.score[il, lack], kind="stable")]
             if cap is not None:
                 lack = lack[:cap]
-            self._missed[il, lack] = 0
             keep, nbytes = set(ids[il].tolist()), self._blob_bytes[il]
             for e in lack.tolist():
-                slot = cache.place(il, e, nbytes, keep)
-                if slot is None:
+                slot = cache.place(il, e, nbytes, keep, ranked=True)
+                if slot is None:          # the next is no more popular and would face the same victim
                     break
                 blob = self._blobs[il][e]
                 be.load_expert(il, e, slot, blob.gate, blob.up, blob.down)
