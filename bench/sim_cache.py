@@ -17,7 +17,7 @@ mapped token: its hits made most recently used, then its misses promoted by one 
                promotion
   every-miss   LRU, every miss promoted
 
-and the table gives the hit rate and the copies a token in windows of the decode. Random weights route almost
+and the table gives, beside an oracle (the window's most routed experts held all along, no copies), the hit rate and the copies a token in windows of the decode. Random weights route almost
 uniformly; the calibrated skew is what makes these files' routing cacheable (bench/RESULTS.md, routing section).
 """
 
@@ -93,6 +93,18 @@ def replay(ids: np.ndarray, rule: str, slots: int, half_life: float, prompt: int
     return out
 
 
+def oracle(ids: np.ndarray, slots: int, prompt: int, windows) -> list[float]:
+    """Per window: the hit rate of a static cache of that window's `slots` most routed (layer, expert) pairs."""
+    n_layer, T, _ = ids.shape
+    n_expert = int(ids.max()) + 1
+    out = []
+    for a, b in windows:
+        w = ids[:, prompt + a:min(prompt + b, T)]
+        counts = np.stack([np.bincount(w[il].reshape(-1), minlength=n_expert) for il in range(n_layer)]).ravel()
+        out.append(float(np.sort(counts)[::-1][:slots].sum() / max(counts.sum(), 1)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1536, help="tokens of routing replayed (prompt included)")
@@ -112,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for rule in RULES:
         got = replay(ids, rule, slots, a.half_life, a.prompt, windows)
         print(f"{rule:<12} " + " ".join(f"{f'{h:.1%} hit, {c:5.1f} copies':>22}" for h, c in got))
+    print(f"{'oracle':<12} " + " ".join(f"{f'{h:.1%} hit':>22}" for h in oracle(ids, slots, a.prompt, windows)))
     return 0
 
 
