@@ -1,6 +1,6 @@
 """The VRAM expert cache's promotion rule, replayed on the calibrated flash routing: hit rate and copies a token.
 
-    python bench/sim_cache.py [--tokens 1536] [--fraction 0.364] [--half-life 512] [--prompt 0]
+    python bench/sim_cache.py [--tokens 1536] [--fraction 0.364] [--half-life 512] [--prompt 0] [--skew 0.2286]
 
 Routes: a small realistic file's router inputs (made here, run by the CPU reference over English text) routed
 through 48 fresh random routers of flash's 512 experts top-10 with its calibrated skew (calibrate_routing.py's
@@ -41,15 +41,16 @@ from strata.model.synth import PRESETS, ROUTING_SKEW, make_model  # noqa: E402
 RULES = ("ranked", "second-miss", "every-miss")
 
 
-def flash_routes(tokens: int, folder: str) -> np.ndarray:
-    """(48, tokens, 10) expert ids of the replayed flash routing."""
+def flash_routes(tokens: int, folder: str, skew: float) -> np.ndarray:
+    """(48, tokens, 10) expert ids of the replayed flash routing at `skew` (0: the uniform routing of random
+    weights)."""
     path = Path(folder) / "small-realistic.gguf"
     make_model("small", path, seed=0, routing="realistic", log=lambda s: None)
     rec = cr.record(load_model(path), tokens, keep_inputs=True)
     inputs = np.stack([np.concatenate(c) for c in rec.inputs])              # (8, tokens, 256)
     f = PRESETS["flash"]
     return np.stack([cr.replay_ids(inputs[il % len(inputs)][None], f["n_expert"], f["n_expert_used"],
-                                   ROUTING_SKEW["flash"], seed=il)[0] for il in range(f["n_layer"])])
+                                   skew, seed=il)[0] for il in range(f["n_layer"])])
 
 
 def replay(ids: np.ndarray, rule: str, slots: int, half_life: float, prompt: int, windows) -> list[tuple]:
@@ -111,15 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fraction", type=float, default=0.364, help="the cache's share of the experts")
     p.add_argument("--half-life", type=float, default=512, help="the ranked rule's half-life in tokens")
     p.add_argument("--prompt", type=int, default=0, help="tokens of a streamed prompt first (0: an empty cache)")
+    p.add_argument("--skew", type=float, default=ROUTING_SKEW["flash"],
+                   help="the routers' skew (default: flash's calibrated realistic routing; 0: uniform routing)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
-        ids = flash_routes(a.tokens, d)
+        ids = flash_routes(a.tokens, d, a.skew)
     n_layer, T, k = ids.shape
     slots = round(a.fraction * n_layer * int(ids.max() + 1))
     n = T - a.prompt
     windows = [w for w in ((0, 64), (64, 192), (192, 512), (512, n)) if w[0] < n]
     print(f"{n_layer} layers x {int(ids.max()) + 1} experts top-{k}, {slots} slots ({a.fraction:.1%}), "
-          f"{a.prompt} prompt tokens then {n} mapped tokens; half-life {a.half_life:g} tokens")
+          f"{a.prompt} prompt tokens then {n} mapped tokens; skew {a.skew:g}, half-life {a.half_life:g} tokens")
     print(f"{'rule':<12} " + " ".join(f"{f'tokens {w0}-{min(w1, n)}':>22}" for w0, w1 in windows))
     for rule in RULES:
         got = replay(ids, rule, slots, a.half_life, a.prompt, windows)
