@@ -424,8 +424,8 @@ class VramCache:
     The host picks the slot an upload goes to; the experts of the layer being computed are never evicted. A copy
     the host may skip (a mapped token's promotion) is ranked: it takes the least recently used expert's slot only
     if its own routes outnumber that expert's, so one-off routes neither evict the experts most tokens use nor
-    spend PCIe on copies (bench/RESULTS.md, "twelfth session": the replayed flash routing at 36% of the experts
-    hit 70.8% with promotions after two misses and 79.0% ranked, with 70 -> 2 promotions a token).
+    spend PCIe on copies (`bench/sim_cache.py`, bench/RESULTS.md "twelfth session": the replayed flash routing at
+    36% of the experts hits 78.5% ranked with 3 copies a token, 70.6% with 70 copying at an expert's second miss).
     """
 
     def __init__(self, slots: int, budget_bytes: int, n_layer: int, n_expert: int, half_life: float = 512):

@@ -1106,7 +1106,7 @@ class Scheduler:
             if not miss.size:
                 continue
             lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
-            lack = lack[np.argsort(-cache.score[il, lack], kind="stable")]
+            lack = lack[np.argsort(-cache.popularity(il, lack), kind="stable")]
             if cap is not None:
                 lack = lack[:cap]
             keep, nbytes = set(ids[il].tolist()), self._blob_bytes[il]
