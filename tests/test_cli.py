@@ -87,3 +87,18 @@ def test_generate_bad_sampling(tmp_path):
     env = dict(os.environ, STRATA_CACHE=str(tmp_path / "cache"))
     r = run("generate", "Hi", "--top-p", "0", env=env)
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_cache_options_reach_the_host_config():
+    """--cache-half-life and --promote-per-layer become the HostConfig the engine opens with; a half-life under one
+    token is refused with the option's name."""
+    import argparse
+    sys.path.insert(0, str(ROOT))
+    import cli
+    p = argparse.ArgumentParser()
+    cli._engine_options(p)
+    host = cli._host(p.parse_args(["--cache-half-life", "64", "--promote-per-layer", "3"]))
+    assert (host.cache_half_life, host.promote_per_layer) == (64, 3)
+    assert cli._host(p.parse_args([])).cache_half_life == 512
+    r = run("generate", "Hi", "--cache-half-life", "0")
+    assert r.returncode == 2 and "--cache-half-life" in r.stderr
