@@ -2,7 +2,8 @@
 # Issue 6 on the GPU machine: strata next to llama.cpp's llama-bench on the same flash file, one configuration
 # per call (vram | budget24), logged to $OUT/vs_llamacpp_<config>.log. llama-bench is not in the repository:
 # bench/build_llama.sh builds it on the GPU machine and writes it, xz-compressed, to .llama/llama-bench.xz (carry
-# that file to the machine). MODEL=path: another flash file (default models/flash.gguf, made here if missing).
+# that file to the machine). MODEL=path: another flash file (default models/flash.gguf, made here if missing, with
+# make-model's routing ROUTING: uniform by default, realistic for the calibrated skew).
 #   bash bench/gpu_vs_llamacpp.sh vram [extra bench_vs_llamacpp.py arguments]
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,8 @@ fi
 model=${MODEL:-models/flash.gguf}
 mkdir -p models
 if [ ! -f "$model" ]; then
-    python3 cli.py make-model --preset flash --ple-base 2000000 "$model" 2>&1 | tail -2 || exit 1
+    python3 cli.py make-model --preset flash --ple-base 2000000 --routing "${ROUTING:-uniform}" "$model" 2>&1 \
+        | tail -2 || exit 1
 fi
 python3 bench/bench_vs_llamacpp.py --model "$model" --config "$config" --llama-bench $bin "$@" 2>&1 \
     | tee "${OUT:-/tmp}/vs_llamacpp_$config.log"
