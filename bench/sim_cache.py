@@ -10,15 +10,16 @@ on the H100, bench/RESULTS.md "twelfth session") and starts empty, or, with --pr
 prompt of the first N tokens fills it (free slots in layer order) with those routes counted. Then every token is a
 mapped token: its hits made most recently used, then its misses promoted by one of the rules
 
-  ranked       the engine's (strata.host.experts.VramCache, run here): routes counted with the half-life, misses
-               most popular first, into a free slot or over the least recently used expert only when it is less
-               popular (place(ranked=True))
+  ranked       the engine's (strata.host.experts.VramCache.promotions, run here): routes counted with the
+               half-life, misses most popular first, into a free slot or over the least recently used expert only
+               when it is less popular
   second-miss  the rule before: LRU, an expert promoted once mapped tokens have missed it twice since its last
                promotion
   every-miss   LRU, every miss promoted
 
-and the table gives, beside an oracle (the window's most routed experts held all along, no copies), the hit rate and the copies a token in windows of the decode. Random weights route almost
-uniformly; the calibrated skew is what makes these files' routing cacheable (bench/RESULTS.md, routing section).
+and the table gives the hit rate and the copies a token in windows of the decode, beside an oracle (the window's
+most routed experts held all along, no copies). Random weights route almost uniformly; the calibrated skew is what
+makes these files' routing cacheable (bench/RESULTS.md, routing section).
 """
 
 from __future__ import annotations
@@ -74,18 +75,18 @@ def replay(ids: np.ndarray, rule: str, slots: int, half_life: float, prompt: int
             res = np.array([[(il, e) in cache._lru for e in row[il].tolist()] for il in range(n_layer)])
             cache.tick(1)
             cache.count_token(row, res)
-            cache.touch_token(row, res)
             hits, looks = hits + int(res.sum()), looks + res.size
+            if rule == "ranked":                    # the engine's own rule (Scheduler._promote)
+                copies += sum(1 for _ in cache.promotions(row, res, [1] * n_layer))
+                continue
+            cache.touch_token(row, res)
             for il in range(n_layer):
                 miss = row[il][~res[il]]
+                missed[il, miss] += 1
+                miss = miss[missed[il, miss] >= (2 if rule == "second-miss" else 1)]
                 keep = set(row[il].tolist())
-                if rule == "ranked":
-                    miss = miss[np.argsort(-cache.score[il, miss], kind="stable")]
-                else:
-                    missed[il, miss] += 1
-                    miss = miss[missed[il, miss] >= (2 if rule == "second-miss" else 1)]
                 for e in miss.tolist():
-                    if cache.place(il, e, 1, keep, ranked=rule == "ranked") is None:
+                    if cache.place(il, e, 1, keep) is None:
                         break
                     missed[il, e] = 0
                     copies += 1

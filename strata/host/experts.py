@@ -508,6 +508,30 @@ class VramCache:
         self.uploads += 1
         return slot
 
+    def promotions(self, ids: np.ndarray, resident: np.ndarray, nbytes, lacks=None, cap: int | None = None):
+        """A mapped token's misses placed into the cache, yielded as (layer, expert, slot) for the caller to copy:
+        the token's hits made most recently used first, then per layer its misses most popular first, each over a
+        less popular victim only (place ranked), the layer's routed experts kept, at most `cap` a layer. ids,
+        resident (n_layer, k): the token's routes and which were resident; nbytes[layer]: a blob's bytes;
+        lacks(layer, experts): which of a layer's misses are still not in VRAM (a later step may have loaded
+        some), all of them when None."""
+        self.touch_token(ids, resident)
+        for il in range(ids.shape[0]):
+            lack = ids[il][~resident[il]]
+            if not lack.size:
+                continue
+            if lacks is not None:
+                lack = lack[np.asarray(lacks(il, lack), bool)]
+            lack = lack[np.argsort(-self.popularity(il, lack), kind="stable")]
+            if cap is not None:
+                lack = lack[:cap]
+            keep = set(ids[il].tolist())
+            for e in lack.tolist():
+                slot = self.place(il, e, nbytes[il], keep, ranked=True)
+                if slot is None:          # the next is no more popular and would face the same victim
+                    break
+                yield il, e, slot
+
     def hit_rate(self) -> float:
         n = sum(self.lookups.values())
         return sum(self.hits.values()) / n if n else 0.0

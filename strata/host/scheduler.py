@@ -1095,27 +1095,14 @@ class Scheduler:
         return logits
 
     def _promote(self, ids: np.ndarray, res: np.ndarray) -> None:
-        """A mapped token's misses into the VRAM cache (LRU, its hits made most recently used first), each copied
-        from its pinned blob on the side stream; the layer's other routed experts are not evicted for them. The
-        most popular first, each only over a less popular victim (VramCache.place ranked), at most
-        HostConfig.promote_per_layer a layer."""
-        be, cache, cap = self.backend, self.cache, self.host.promote_per_layer
-        cache.touch_token(ids, res)
-        for il in range(ids.shape[0]):
-            miss = ids[il][~res[il]]
-            if not miss.size:
-                continue
-            lack = miss[~np.asarray(be.resident(il, miss), bool)]      # a later step may have loaded some
-            lack = lack[np.argsort(-cache.popularity(il, lack), kind="stable")]
-            if cap is not None:
-                lack = lack[:cap]
-            keep, nbytes = set(ids[il].tolist()), self._blob_bytes[il]
-            for e in lack.tolist():
-                slot = cache.place(il, e, nbytes, keep, ranked=True)
-                if slot is None:          # the next is no more popular and would face the same victim
-                    break
-                blob = self._blobs[il][e]
-                be.load_expert(il, e, slot, blob.gate, blob.up, blob.down)
+        """A mapped token's misses into the VRAM cache (VramCache.promotions: ranked by popularity, at most
+        HostConfig.promote_per_layer a layer), each copied from its pinned blob on the side stream."""
+        be = self.backend
+        for il, e, slot in self.cache.promotions(ids, res, self._blob_bytes,
+                                                 lambda il, m: ~np.asarray(be.resident(il, m), bool),
+                                                 self.host.promote_per_layer):
+            blob = self._blobs[il][e]
+            be.load_expert(il, e, slot, blob.gate, blob.up, blob.down)
         done = getattr(be, "loads_done", None)       # the token's promotions as one batch of copies
         if done is not None:
             done()
