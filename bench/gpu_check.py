@@ -23,6 +23,8 @@ model     `cli.py make-model --preset flash --ple-base 2000000 models/flash.gguf
 profile   the flash model with every weight in VRAM: `tokens` whole-token graphs between cuProfilerStart and Stop,
           for Nsight Compute to time every kernel node in isolation (bench/gpu_profile.sh runs it under ncu and
           sums the nodes by kernel and grid: bench/ncu_table.py); the graph's own ms/token is printed first
+overlap   pinned-memory reads over PCIe (48 moe_fetch launches) alone and beside the all-VRAM token graph on
+          another stream, at two grids and two stream priorities: whether they hide behind compute (phase_overlap)
 ablate    the whole-token graph without each kind of launch in turn (ms it saves, per launch left out), and
           chains of 720 near-empty launches: what a launch costs inside the graph (phase_ablate)
 bench     the flash model with every weight in VRAM: decode ms/token (whole-token graph, warm-up excluded, median)
@@ -788,6 +790,130 @@ def phase_ablate() -> None:
     RESULTS["ablate"] = res
 
 
+def phase_overlap(misses: int = 4) -> None:
+    """Whether reads of pinned host memory over PCIe overlap the all-VRAM whole-token graph's compute: a reader
+    graph of 48 moe_fetch launches (one a layer, `misses` flash-sized experts each from mapped pinned memory into
+    VRAM staging, as a mapped token's fetch or prefetch), timed alone and started together with the token's graph
+    on another stream, with 2 x SMs CTAs (the fetch's grid) and 16 (the prefetch's), at normal and at the greatest
+    stream priority. Medians of 20 after 3. If the pair takes about the longer of the two, the PCIe reads hide
+    behind compute; if about their sum, they do not, whatever the graph's branches."""
+    from strata.cuda import driver as drv
+    from strata.cuda.arena import Arena
+    from strata.cuda.backend import CudaBackend
+    from strata.cuda.graphs import Graph
+    from strata.kernels import moe as kmoe
+    from strata.model.loader import load_model
+    if not FLASH.exists():
+        phase_model()
+    model = load_model(FLASH)
+    be = CudaBackend(model, experts="vram", max_ctx=512, log=say)
+    cfg, k, n_layer = be.cfg, be.cfg.n_expert_used, be.cfg.n_layer
+    bk = be.banks[0]                             # an expert's gate, up and down bytes, as a blob holds them
+    layout = kmoe.FetchLayout(bk.gate.n_out * bk.gate.row_bytes, bk.up.n_out * bk.up.row_bytes,
+                              bk.down.n_out * bk.down.row_bytes)
+    blob = layout.n_g + layout.n_u + layout.n_d
+    n_blob = n_layer * misses
+    res: dict = {"device": be.dev.name, "misses_per_launch": misses, "blob_bytes": blob, "rows": []}
+    host = drv.HostBuffer(n_blob * layout.stride, mapped=True, what="overlap blobs")
+    A = Arena()
+    ptab = A.reserve("overlap ptab", (n_layer, cfg.n_expert, 3), np.uint64)
+    ids = A.reserve("overlap ids", (k,), np.int32)
+    eff = A.reserve("overlap eff", (k, 3), np.uint64)
+    stage = A.reserve("overlap stage", (k * layout.stride,), np.uint8)
+    A.commit()
+    s2 = {False: drv.Stream(), True: drv.Stream(high_priority=True)}
+    ev = [drv.Event(timing=True) for _ in range(3)]
+    graphs: list = []
+    try:
+        hv = host.array(np.uint8, (n_blob, layout.stride))
+        hv[:] = np.random.default_rng(5).integers(0, 256, hv.shape, dtype=np.uint8)
+        ids.upload(np.arange(k, dtype=np.int32))
+        tab = np.zeros((n_layer, cfg.n_expert, 3), np.uint64)
+        tab[:, :, 0] = stage.ptr                 # in the device range [dev_lo, dev_hi): not copied
+        for il in range(n_layer):
+            for j in range(misses):
+                b = host.dptr + (il * misses + j) * layout.stride
+                tab[il, j] = (b, b + layout.off_u, b + layout.off_d)
+        ptab.upload(tab)
+        feed = Feeder(model)
+        seq = be.new_seq()
+        decode_ms(be, seq, feed, 5)
+        tok = Graph("token", be.stream, be._enq_token)
+        graphs.append(tok)
+
+        def reader(ctas: int, stream) -> Graph:
+            fn = be.kern.fn("moe", "moe_fetch")
+            ls = [kmoe.fetch_launch(fn, f"overlap fetch {il}", cfg, ptab.row(il), ids, eff, stage, layout,
+                                    A.base, A.base + A.total, ctas) for il in range(n_layer)]
+            g = Graph(f"reader {ctas}", stream, lambda: [l.enqueue(stream) for l in ls])
+            graphs.append(g)
+            return g
+
+        def alone(g, stream) -> float:
+            for _ in range(3):
+                g.launch(stream)
+            stream.synchronize("overlap warm-up")
+            t = []
+            for _ in range(20):
+                ev[0].record(stream)
+                g.launch(stream)
+                ev[1].record(stream)
+                ev[1].synchronize("overlap alone")
+                t.append(ev[1].elapsed_ms(ev[0]))
+            return float(np.median(t))
+
+        def together(g, stream) -> tuple[float, float, float]:
+            t = []
+            for i in range(23):
+                ev[0].record(be.stream)
+                stream.wait(ev[0])
+                tok.launch(be.stream)
+                g.launch(stream)
+                ev[1].record(be.stream)
+                ev[2].record(stream)
+                ev[1].synchronize("overlap token")
+                ev[2].synchronize("overlap reader")
+                a, b = ev[1].elapsed_ms(ev[0]), ev[2].elapsed_ms(ev[0])
+                if i >= 3:
+                    t.append((a, b, max(a, b)))
+            return tuple(float(np.median([x[i] for x in t])) for i in range(3))
+
+        t_tok = alone(tok, be.stream)
+        say(f"overlap: token graph alone {t_tok:.3f} ms; reader: {n_layer} launches of {misses} experts "
+            f"({n_blob * blob / 1e6:.1f} MB)")
+        res["token_ms"] = t_tok
+        for ctas, prio in ((2 * be.dev.n_sm, False), (16, False), (16, True), (2 * be.dev.n_sm, True)):
+            g = reader(ctas, s2[prio])
+            t_rd = alone(g, s2[prio])
+            a, b, w = together(g, s2[prio])
+            gbps = n_blob * blob / t_rd / 1e6
+            say(f"  reader {ctas:3d} CTAs{' high priority' if prio else ''}: alone {t_rd:.3f} ms "
+                f"({gbps:.1f} GB/s); with the token: token {a:.3f}, reader {b:.3f}, both {w:.3f} ms "
+                f"(sum alone {t_tok + t_rd:.3f}, max {max(t_tok, t_rd):.3f})")
+            res["rows"].append({"ctas": ctas, "high_priority": prio, "reader_ms": t_rd, "reader_gbps": gbps,
+                                "token_with_ms": a, "reader_with_ms": b, "both_ms": w})
+        be.free_seq(seq)
+        # the readers did copy: the last launch's staging holds the last layer's blobs
+        got = stage.download().reshape(k, layout.stride)
+        for j in range(misses):
+            want = hv[(n_layer - 1) * misses + j]
+            for off, n in ((0, layout.n_g), (layout.off_u, layout.n_u), (layout.off_d, layout.n_d)):
+                if not np.array_equal(got[j, off:off + n], want[off:off + n]):
+                    raise SystemExit(f"overlap: staging slot {j} at {off} differs from its blob")
+        say("  the last reader's staging equals its blobs")
+    finally:
+        for g in graphs:
+            g.destroy()
+        for e in ev:
+            e.destroy()
+        for s in s2.values():
+            s.destroy()
+        host.free()
+        A.free()
+        be.close()
+    RESULTS["overlap"] = res
+
+
 def phase_profile(tokens: int) -> None:
     from strata.cuda.backend import CudaBackend
     from strata.cuda.driver import check, cu
@@ -847,7 +973,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels-only", action="store_true", help="only pytest tests/test_cuda_kernels.py")
     ap.add_argument("--phases", default="tests,gemv,bench",
-                    help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile, ablate")
+                    help="comma list of tests, gemv, qsa, gdn, moe, mapped, model, bench, profile, ablate, "
+                         "overlap")
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
@@ -890,6 +1017,8 @@ def main() -> None:
                 phase_bench(a.long_ctx)
             elif p == "profile":
                 phase_profile(a.tokens)
+            elif p == "overlap":
+                phase_overlap()
             else:
                 raise SystemExit(f"unknown phase '{p}': tests, gemv, qsa, gdn, ple, moe, mapped, model, bench, "
                                  "profile")

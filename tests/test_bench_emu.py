@@ -74,3 +74,15 @@ def test_gpu_check_ple(emulated, monkeypatch, capsys):
     out = capsys.readouterr().out
     names = re.findall(r"(\w+ \d+) [\d.]+ ms", out.splitlines()[-1])
     assert names == ["gate 24", "conv 24", "hist 24", "all 24", "gate 1", "conv 1", "hist 1", "all 1"], out
+
+
+def test_gpu_check_overlap(emulated, tiny, monkeypatch, capsys):
+    """gpu_check.py's overlap phase (pinned-memory readers alone and beside the whole-token graph) on the tiny
+    model: every pair runs, and the readers' staging equals the blobs they read (the phase checks it)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+    monkeypatch.setattr(gpu_check, "FLASH", tiny)
+    gpu_check.phase_overlap(misses=2)
+    out = capsys.readouterr().out
+    assert len(re.findall(r"reader +\d+ CTAs.*alone [\d.]+ ms .*both [\d.]+ ms", out)) == 4, out
+    assert "the last reader's staging equals its blobs" in out, out

@@ -96,8 +96,15 @@ class Device:
 class Stream:
     """A non-blocking stream (it never waits for the legacy default stream)."""
 
-    def __init__(self):
-        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    def __init__(self, high_priority: bool = False):
+        """high_priority: the device's greatest stream priority, whose pending CTAs the block scheduler places
+        before other streams' (a graph captured from it keeps that priority on its kernel nodes: graphs.py)."""
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        if high_priority:
+            _, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            self.handle = check(cu.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreateWithPriority")
+        else:
+            self.handle = check(cu.cuStreamCreate(flags), "cuStreamCreate")
         self.prev_kernel = False        # the last thing enqueued was a kernel (strata.cuda.launch: PDL)
 
     def synchronize(self, what: str = "", *args) -> None:
