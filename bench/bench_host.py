@@ -44,7 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preload", action="store_true", help="read every expert into host memory first")
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="HostConfig.map_experts: decode rows as one graph reading VRAM misses from host memory")
-    p.add_argument("--mapped-reads", default="fetch", choices=list(MAPPED_READS),
+    p.add_argument("--mapped-reads", default="prefetch", choices=list(MAPPED_READS),
                    help="HostConfig.mapped_reads: a mapped token's misses copied into VRAM by a kernel on every SM "
                         "first (fetch; prefetch: also the next layer's predicted misses a layer early), or read over PCIe by the "
                         "expert kernels (direct)")

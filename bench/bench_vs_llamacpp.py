@@ -93,7 +93,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                  preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
                  stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int | None = None,
                  promote_per_layer: int | None = None, cache_half_life: int | None = None,
-                 mapped_reads: str = "fetch") -> dict:
+                 mapped_reads: str = "prefetch") -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
@@ -406,7 +406,7 @@ def main() -> None:
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.map_experts (decode rows as one graph, misses read from host "
                         "memory)")
-    p.add_argument("--mapped-reads", default="fetch", choices=list(MAPPED_READS),
+    p.add_argument("--mapped-reads", default="prefetch", choices=list(MAPPED_READS),
                    help="budget24: strata's HostConfig.mapped_reads (a mapped token's misses fetched into VRAM by "
                         "every SM first, with the next layer's predicted ones a layer early, or read over PCIe by the "
                         "expert kernels)")

@@ -689,6 +689,49 @@ def test_scheduler_mapped_decode(case):
     assert res.any() and not res.all()
 
 
+def test_mapped_prefetch_graph_joins(case, monkeypatch):
+    """The mapped token's graph with mapped_reads="prefetch", read from its capture order: layer l's fetch waits
+    for layer l's prefetch and not for layer l + 1's (forked before it, in layer l's pre: a wait on that record
+    would run every prefetch serially, which the logits cannot show), and layer l's ffn read waits for layer l's
+    prediction."""
+    from strata.cuda import launch as L
+    spec, model, _, _ = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for mapped tokens")
+    probe = CudaBackend(model, experts="host", max_ctx=64, log=print)
+    budget = probe.A.total + (1 << 20) + 12 * probe.slot_bytes
+    probe.close()
+    be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=64, mapped_reads="prefetch", log=print)
+    try:
+        assert be.prefetch and be.can_map
+        log: list[tuple] = []
+        monkeypatch.setattr(L.Launch, "enqueue", lambda self, st: log.append(("launch", self.name, id(st))))
+        monkeypatch.setattr(L.CopyH2D, "enqueue", lambda self, st: log.append(("copy", self.name, id(st))))
+        monkeypatch.setattr(drv.Event, "record", lambda self, st: log.append(("record", id(self), id(st))))
+        monkeypatch.setattr(drv.Stream, "wait", lambda self, ev: log.append(("wait", id(ev), id(self))))
+        monkeypatch.setattr(drv, "memcpy_dtoh_async", lambda *a: None)
+        be._enq_token()
+    finally:
+        be.close()
+    main = id(be.stream)
+
+    def waited_for(i: int) -> str:
+        """The last launch on the recording stream before the record that the wait at log[i] resolves to."""
+        ev = log[i][1]
+        r = max(j for j in range(i) if log[j][0] == "record" and log[j][1] == ev)
+        return next(log[j][1] for j in range(r - 1, -1, -1) if log[j][0] == "launch" and log[j][2] == log[r][2])
+
+    n = model.cfg.n_layer
+    for il in range(1, n):
+        first = {kind: next(i for i, e in enumerate(log) if e[0] == "launch" and e[1] == f"blk.{il}.{kind}")
+                 for kind in ("fetch", "ffn_down_inject")}
+        for kind, want in (("fetch", f"blk.{il}.prefetch"), ("ffn_down_inject", f"blk.{il}.route_predicted")):
+            i = first[kind]
+            waits = [j for j in range(i) if log[j][0] == "wait" and log[j][2] == main]
+            assert waits, f"layer {il}'s {kind} waits for nothing"
+            assert waited_for(waits[-1]) == want, f"layer {il}'s {kind} waits for {waited_for(waits[-1])}"
+
+
 def test_quantized_file_matches_reference(device, tmp_path_factory):
     """A file in the realistic type mix (`small` preset: Q2_0 experts, IQ4_XS, K-quants, BF16 router, Q8_0), whose
     formats the f32 parity models never reach: the CUDA backend's logits (one-row steps with every expert in VRAM,

@@ -128,7 +128,7 @@ class CudaBackend:
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
                  experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
-                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "fetch",
+                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "prefetch",
                  log=print):
         """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
         experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
@@ -167,7 +167,10 @@ class CudaBackend:
         # before the router (bench/gpu_check.py's ablate phase compares the two)
         self.shared_on_branch = True
         # ... and the third (mapped_reads="prefetch": the next layer's prediction and prefetch)
-        self.branch2, self.ev_fork2, self.ev_pred, self.ev_pref = drv.Stream(), drv.Event(), drv.Event(), drv.Event()
+        self.branch2, self.ev_fork2, self.ev_pred = drv.Stream(), drv.Event(), drv.Event()
+        # one prefetch-done event per layer parity: layer l's fetch must wait for layer l's prefetch, and by then
+        # layer l's pre has already forked (and recorded) layer l + 1's
+        self.ev_pref = (drv.Event(), drv.Event())
         t0 = time.time()
         self.kern = Kernels(self.dev.arch)
         log(f"strata.cuda: {self.dev.name} (sm_{self.dev.arch}, {self.dev.n_sm} SMs); kernels ready in "
@@ -687,24 +690,27 @@ class CudaBackend:
                 pre_tok.append(st + [("route", [router, route(None, self.b_ids)]), shared])
             elif self.can_map:          # the mapped token: routes kept per layer, experts found through the table
                 ids = self.b_ids_all.row(il)
+                if self.prefetch and il + 1 < cfg.n_layer:      # the next layer's router on this MoE input too
+                    router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r),
+                                                 Job(self.L[il + 1]["router"], self.b_x_ffn, self.b_pred_logits)])
                 pre_tok.append(st + [("route", [router, route(None, ids)]), shared])
                 post_m.append(post_of(self.expert_job_m[il], ids, self.b_ptab.row(il)))
                 if self.prefetch and il + 1 < cfg.n_layer:
-                    pref.append(self._prefetch_plan(il + 1, gemv))
+                    pref.append(self._prefetch_plan(il + 1))
         head = [gemv("output_down", [Job(self.w_out_down, self.b_xn, self.b_lo)]),
                 _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), "output_up_mix", self.w_out_up, self.b_lo, self.b_xn,
                        self.b_mixed, hc, E),
                 gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
         self._plans = (begin, pre, pre_tok, post, post_m, pref, head)
 
-    def _prefetch_plan(self, il: int, gemv) -> list[tuple[str, list]]:
-        """Layer il's prediction and prefetch, run beside layer il - 1 (mapped_reads="prefetch"): layer il's router
-        on layer il - 1's MoE input, its top k (no doorbell) into b_pred_ids[il], and those experts' misses fetched
-        into staging set il % 2 by a few CTAs (the layer's compute keeps the rest of the GPU)."""
+    def _prefetch_plan(self, il: int) -> list[tuple[str, list]]:
+        """Layer il's prediction and prefetch, run beside layer il - 1 (mapped_reads="prefetch"): the top k (no
+        doorbell) of layer il's router logits on layer il - 1's MoE input (a second job of layer il - 1's router
+        launch: a GEMV on this branch would compete for every SM) into b_pred_ids[il], and those experts' misses
+        fetched into staging set il % 2 by a few CTAs (the layer's compute keeps the rest of the GPU)."""
         cfg, K, p = self.cfg, self.kern, f"blk.{il}."
         stage = self.b_pre_stage[il % 2]
-        return [("predict", [gemv(p + "router_predicted", [Job(self.L[il]["router"], self.b_x_ffn, self.b_pred_logits)]),
-                             _Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route_predicted", cfg, il,
+        return [("predict", [_Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route_predicted", cfg, il,
                                     self.b_pred_logits, self.b_x_ffn, self.b_pred_ids.row(il), self.b_pred_wts,
                                     self.b_step, None, self.b_ticket)]),
                 ("prefetch", [_Later(lambda: kmoe.fetch_launch(
@@ -771,7 +777,7 @@ class CudaBackend:
         self._enq_begin()
         for il in range(self.cfg.n_layer):
             pref = self.pref[il] if il < len(self.pref) else None      # none with every expert in VRAM
-            self._enq_token_layer(self.pre_tok[il], post[il], pref, il > 0 and bool(self.pref))
+            self._enq_token_layer(il, self.pre_tok[il], post[il], pref, il > 0 and bool(self.pref))
         self._enq_head()
         if self.experts == "host":      # the layers' routes (and predictions), for the host's cache policy
             drv.memcpy_dtoh_async(self.h_ids_all.ptr, self.b_ids_all.ptr, self.b_ids_all.nbytes,
@@ -787,13 +793,14 @@ class CudaBackend:
         self.stream.prev_kernel = pdl   # the record adds no node: the next kernel still follows the last one
         branch.wait(ev)
 
-    def _enq_token_layer(self, pre, post, pref=None, joins: bool = False) -> None:
+    def _enq_token_layer(self, il: int, pre, post, pref=None, joins: bool = False) -> None:
         """pre[l] and post[l] inside a whole-token graph. The shared expert reads only the MoE input (the ffn
         read's output) and only the combine reads its result, so it runs on a second branch beside the router, the
         route and the routed experts: forked after the ffn read, joined before the combine. pref
         (mapped_reads="prefetch"): layer l + 1's prediction and prefetch, on a third branch forked once this
-        layer's MoE input exists; joins: layer l - 1 forked one, so this layer's ffn read (it
-        rewrites the MoE input the prediction reads) waits for that prediction, and its fetch for that prefetch."""
+        layer's router launch has written the next layer's logits too; joins: layer l - 1 forked one, so this
+        layer's ffn read waits for that prediction (this layer's router launch rewrites the logits it reads), and
+        its fetch for that prefetch."""
         main = self.stream
         shared = next(launches for name, launches in pre if name == "shared")
         for name, launches in pre:
@@ -801,6 +808,14 @@ class CudaBackend:
                 continue
             if name == "ffn_read" and joins:
                 main.wait(self.ev_pred)
+            if name == "route" and pref is not None:   # the router launch wrote the prediction's logits: fork
+                launches[0].enqueue(main)
+                self._fork(self.branch2, self.ev_fork2)
+                for stage, launches2 in pref:
+                    for launch in launches2:
+                        launch.enqueue(self.branch2)
+                    (self.ev_pred if stage == "predict" else self.ev_pref[(il + 1) % 2]).record(self.branch2)
+                launches = launches[1:]
             for launch in launches:
                 launch.enqueue(main)
             if name != "ffn_read":
@@ -813,17 +828,11 @@ class CudaBackend:
             else:
                 for launch in shared:
                     launch.enqueue(main)
-            if pref is not None:
-                self._fork(self.branch2, self.ev_fork2)
-                for stage, launches2 in pref:
-                    for launch in launches2:
-                        launch.enqueue(self.branch2)
-                    (self.ev_pred if stage == "predict" else self.ev_pref).record(self.branch2)
         for name, launches in post:
             if name == "combine" and self.shared_on_branch:
                 main.wait(self.ev_join)
             if name == "fetch" and joins:
-                main.wait(self.ev_pref)
+                main.wait(self.ev_pref[il % 2])
             for launch in launches:
                 launch.enqueue(main)
 

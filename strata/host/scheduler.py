@@ -157,13 +157,14 @@ class HostConfig:
                                             # misses are promoted into the cache while the next token runs), or
                                             # layer by layer (split) if that measures faster per token; "always",
                                             # "never"
-    mapped_reads: str = "fetch"             # how a mapped token's expert kernels get its misses: "fetch", a
+    mapped_reads: str = "prefetch"          # how a mapped token's expert kernels get its misses: "fetch", a
                                             # kernel on every SM copies a layer's misses into VRAM staging first;
                                             # "prefetch", the same, and the next layer's router applied to this
                                             # layer's MoE input predicts its experts, whose misses are fetched
-                                            # beside this layer's compute (the trace gives the hit rate);
-                                            # "direct", the expert kernels read them over PCIe themselves. fetch
-                                            # and direct measured near PCIe speed on the H200 (bench/RESULTS.md)
+                                            # beside this layer's compute (the trace gives the hit rate; the
+                                            # 24 GiB graph 8.6 ms against fetch's 10.9 on an H100,
+                                            # bench/RESULTS.md); "direct", the expert kernels read them over
+                                            # PCIe themselves
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads
