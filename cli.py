@@ -91,7 +91,8 @@ def _host(a):
     return HostConfig(vram_budget_bytes=int(a.vram_budget_gib * (1 << 30)), experts=a.experts,
                       step_tokens=a.step_tokens, host_budget_bytes=host, ple_cache_bytes=ple, prefetch=a.prefetch,
                       stream_experts=a.stream_experts, map_experts=a.map_experts, mapped_reads=a.mapped_reads,
-                      promote_per_layer=a.promote_per_layer, cache_half_life=a.cache_half_life, **ctx)
+                      prefetch_extra=a.prefetch_extra, promote_per_layer=a.promote_per_layer,
+                      cache_half_life=a.cache_half_life, **ctx)
 
 
 def _log(line: str) -> None:
@@ -345,6 +346,9 @@ def _engine_options(g) -> None:
                         "compute (the trace gives how many it predicted; the fastest: 8.6 against 10.9 ms of graph "
                         "a 24 GiB token on an H100); direct, the expert kernels read them over PCIe themselves "
                         "(fetch and direct measured near PCIe speed on the H200: bench/RESULTS.md)")
+    g.add_argument("--prefetch-extra", type=_at_least(0, "a number of experts"), default=0, metavar="N",
+                   help="--mapped-reads prefetch: the prediction keeps N experts beyond the model's top k (0 .. 16; "
+                        "more of the misses predicted, for PCIe bytes read beside the compute; default 0)")
     g.add_argument("--promote-per-layer", type=_promote, default="all", metavar="N|all",
                    help="mapped tokens: a token's misses promoted into the VRAM cache while the next token runs, at "
                         "most N a layer (the copies share PCIe with that token's in-place reads); all: every one")

@@ -48,6 +48,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="HostConfig.mapped_reads: a mapped token's misses copied into VRAM by a kernel on every SM "
                         "first (fetch; prefetch: also the next layer's predicted misses a layer early), or read over PCIe by the "
                         "expert kernels (direct)")
+    p.add_argument("--prefetch-extra", type=int, default=0,
+                   help="HostConfig.prefetch_extra: experts a prefetch's prediction keeps beyond the top k")
     p.add_argument("--cache-half-life", type=int, default=None, metavar="TOKENS",
                    help="HostConfig.cache_half_life: the half-life in tokens of the routes the VRAM cache ranks "
                         "experts by (default: the engine's)")
@@ -75,6 +77,7 @@ async def run(a: argparse.Namespace, trace: str) -> None:
     host = HostConfig(vram_budget_bytes=int(a.vram_budget_gib * GIB),
                       host_budget_bytes=None if a.host_budget_gib is None else int(a.host_budget_gib * GIB),
                       cpu_threads=a.cpu_threads, map_experts=a.map_experts, mapped_reads=a.mapped_reads,
+                      prefetch_extra=a.prefetch_extra,
                       **({} if a.cache_half_life is None else {"cache_half_life": a.cache_half_life}))
     t0 = time.perf_counter()
     async with await Engine.open(a.model, backend=a.backend, host=host, trace=trace) as e:

@@ -93,7 +93,7 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
                  preload: bool = False, warm_tokens: int = 2, stream_decode: int = 0,
                  stream_experts: str = "auto", map_experts: str = "auto", step_tokens: int | None = None,
                  promote_per_layer: int | None = None, cache_half_life: int | None = None,
-                 mapped_reads: str = "prefetch") -> dict:
+                 mapped_reads: str = "prefetch", prefetch_extra: int = 0) -> dict:
     """One engine open (and expert preload) for a list of measurements [kind, n]: n the prompt's length, each a
     fresh request, or (kind "streams") n requests at once; a stream count's first round is a warm-up, excluded."""
     import asyncio
@@ -125,7 +125,8 @@ def strata_child(model: str, backend: str, runs: list, n_decode: int, vram_gib: 
         max_ctx = -(-(max(max(n for _, n in runs) + n_decode, 16 + stream_decode) + 8) // 1024) * 1024
         eng = await Engine.open(model, backend=backend, trace=trace, host=HostConfig(
             vram_budget_bytes=int(vram_gib * (1 << 30)), experts=experts, max_ctx=max_ctx,
-            stream_experts=stream_experts, map_experts=map_experts, mapped_reads=mapped_reads, step_tokens=step_tokens,
+            stream_experts=stream_experts, map_experts=map_experts, mapped_reads=mapped_reads,
+            prefetch_extra=prefetch_extra, step_tokens=step_tokens,
             promote_per_layer=promote_per_layer, **({} if cache_half_life is None else {"cache_half_life": cache_half_life}),
             prefix_cache_bytes=0))      # the prompts share prefixes (one seed): each must be computed, not resumed
         cfg = eng.cfg
@@ -410,6 +411,9 @@ def main() -> None:
                    help="budget24: strata's HostConfig.mapped_reads (a mapped token's misses fetched into VRAM by "
                         "every SM first, with the next layer's predicted ones a layer early, or read over PCIe by the "
                         "expert kernels)")
+    p.add_argument("--prefetch-extra", type=int, default=0,
+                   help="budget24: strata's HostConfig.prefetch_extra (experts a prefetch's prediction keeps beyond "
+                        "the top k)")
     p.add_argument("--stream-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.stream_experts (how prompt chunks get their experts)")
     p.add_argument("--promote-per-layer", type=int, default=None, metavar="N",
@@ -566,7 +570,8 @@ def strata_cells(a, model: str, jobs: list, ll: dict, budget: bool) -> None:
     spec = dict(engine="strata", model=model, backend="cuda", n_decode=a.decode, vram_gib=24.0 if budget else 130.0,
                 experts="host" if budget else "vram", preload=budget, warm_tokens=48 if budget else 2,
                 stream_experts=a.stream_experts, map_experts=a.map_experts, step_tokens=a.step_tokens,
-                promote_per_layer=a.promote_per_layer, cache_half_life=a.cache_half_life, mapped_reads=a.mapped_reads)
+                promote_per_layer=a.promote_per_layer, cache_half_life=a.cache_half_life, mapped_reads=a.mapped_reads,
+                prefetch_extra=a.prefetch_extra)
     mine = [(label, kind, n, 1 if kind == "decode" or n > 1024 else a.repeats)
             for label, kind, n in jobs if label not in skip]
     strata = strata_measure(spec, mine, a.timeout) if mine else {}

@@ -104,7 +104,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
             return CudaBackend(model, vram_budget_bytes=host.vram_budget_bytes, experts=experts,
                                max_ctx=host.max_ctx, doorbell_timeout_s=host.poll.timeout_s,
                                budget_counts_device=True, step_tokens=min(rows, host.max_ctx),
-                               mapped_reads=host.mapped_reads, log=log)
+                               mapped_reads=host.mapped_reads, prefetch_extra=host.prefetch_extra, log=log)
         rows = step_tokens(host, experts)
         try:
             try:

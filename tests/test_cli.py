@@ -90,8 +90,9 @@ def test_generate_bad_sampling(tmp_path):
 
 
 def test_cache_options_reach_the_host_config():
-    """--cache-half-life and --promote-per-layer become the HostConfig the engine opens with; a half-life under one
-    token is refused with the option's name."""
+    """--cache-half-life, --promote-per-layer, --mapped-reads and --prefetch-extra become the HostConfig the engine
+    opens with (prefetch by default); a half-life under one token is refused with the option's name, a prefetch
+    past its limit with HostConfig's."""
     import argparse
     sys.path.insert(0, str(ROOT))
     import cli
@@ -100,5 +101,11 @@ def test_cache_options_reach_the_host_config():
     host = cli._host(p.parse_args(["--cache-half-life", "64", "--promote-per-layer", "3"]))
     assert (host.cache_half_life, host.promote_per_layer) == (64, 3)
     assert cli._host(p.parse_args([])).cache_half_life == 512
+    host = cli._host(p.parse_args(["--mapped-reads", "fetch", "--prefetch-extra", "4"]))
+    assert (host.mapped_reads, host.prefetch_extra) == ("fetch", 4)
+    default = cli._host(p.parse_args([]))
+    assert (default.mapped_reads, default.prefetch_extra) == ("prefetch", 0)
     r = run("generate", "Hi", "--cache-half-life", "0")
     assert r.returncode == 2 and "--cache-half-life" in r.stderr
+    r = run("generate", "Hi", "--prefetch-extra", "17")
+    assert r.returncode != 0 and "prefetch_extra = 17: 0 .. 16" in r.stderr

@@ -632,7 +632,8 @@ def test_scheduler_mapped_decode(case):
     expert kernels read cache slots or, for misses, the blobs in host memory over PCIe; misses promoted while the
     next token runs). Every position against transformers, and against the per-layer split within 1e-5; tokens
     read experts both from slots and from host memory; the misses fetched first, fetched a layer early where
-    predicted (prefetch) and read in place give the same logits bit for bit."""
+    predicted (prefetch, and with a prediction of k + 2 experts) and read in place give the same logits bit for
+    bit; the wider prediction predicts every miss the narrow one did and more bytes."""
     import asyncio
 
     from strata.host.scheduler import HostConfig, Scheduler
@@ -642,16 +643,22 @@ def test_scheduler_mapped_decode(case):
     cfg = model.cfg
     probe = CudaBackend(model, experts="host", max_ctx=128, log=print)
     budget = probe.A.total + (1 << 20) + 12 * probe.slot_bytes         # 12 slots of the 32 experts
+    stride = max(f.stride for f in probe.fetch_layouts)                 # a staged expert's room
     probe.close()
 
     timed = []
+    slots = {}
 
     prefetched = []
 
-    def run(mode: str, reads: str = "fetch"):
-        be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, mapped_reads=reads, log=print)
+    def run(mode: str, reads: str = "fetch", extra: int = 0):
+        # a wider prediction's two stagings get their room on top: the same cache slots, so the same misses
+        be = CudaBackend(model, experts="host", vram_budget_bytes=budget + 2 * extra * stride, max_ctx=128,
+                         mapped_reads=reads, prefetch_extra=extra, log=print)
+        slots[(reads, extra)] = be.expert_slots()
         assert be.can_map and 0 < be.expert_slots() < cfg.n_layer * cfg.n_expert
         assert be.prefetch == (reads == "prefetch")
+        assert not be.prefetch or be.pred_all.shape == (cfg.n_layer, cfg.n_expert_used + extra)
         seen = []
         real, real_t, real_p = be.token_routes, be.mapped_timing, be.token_prefetch
         be.token_routes = lambda: seen.append(real()) or seen[-1]
@@ -678,6 +685,12 @@ def test_scheduler_mapped_decode(case):
     stats = np.array([p for p in prefetched if p is not None])      # (misses, predicted, prefetched, bytes)
     assert len(stats) == len(tokens) and (stats[:, 1] <= stats[:, 0]).all()
     assert stats[:, 1].sum() > 0 and stats[:, 2].sum() > 0 and stats[:, 3].sum() > 0
+    prefetched.clear()
+    wide, _, _ = run("always", "prefetch", extra=2)
+    wide_stats = np.array([p for p in prefetched if p is not None])
+    assert slots[("prefetch", 2)] == slots[("prefetch", 0)]
+    assert (wide_stats[:, 0] == stats[:, 0]).all()                  # the same routes and slots: the same misses
+    assert (wide_stats[:, 1] >= stats[:, 1]).all() and (wide_stats[:, 3] >= stats[:, 3]).all()
     split, seen_split, _ = run("never")
     _check(f"{spec.name} mapped decode", mapped, ref)
     assert was_mapped and len(seen) == len(tokens) and not seen_split
@@ -685,6 +698,7 @@ def test_scheduler_mapped_decode(case):
     assert rel_err(mapped, split).max() <= 1e-5
     assert (mapped == direct).all(), "misses fetched into VRAM and read over PCIe gave different logits"
     assert (mapped == pre).all(), "misses prefetched a layer early gave different logits"
+    assert (mapped == wide).all(), "misses prefetched by a wider prediction gave different logits"
     res = np.stack([r for _, r in seen])
     assert res.any() and not res.all()
 

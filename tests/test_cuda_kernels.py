@@ -833,7 +833,10 @@ def test_experts(rig, qt):
     # a prefetch of predicted ids (5 a miss, 3 0 2 in VRAM) into its own staging, which the fetch then reuses
     pre_v = np.array([5, 3, 0, 2], np.int32)
     pre_ids, pre_eff = rig.buf("pre_ids", (4,), np.int32, pre_v), rig.buf("pre_eff", (4, 3), np.uint64)
-    pre_stage = rig.buf("pre_stage", (4 * lay.stride,), np.uint8)
+    pre_stage = rig.buf("pre_stage", (5 * lay.stride,), np.uint8)
+    # a prediction wider than the route (prefetch_extra 1): both misses, 5 and 1, among its five
+    wide_v = np.array([5, 3, 0, 2, 1], np.int32)
+    wide_ids, wide_eff = rig.buf("wide_ids", (5,), np.int32, wide_v), rig.buf("wide_eff", (5, 3), np.uint64)
     rig.commit()
     gu, dn = kmoe.expert_launches(rig.k.fn("moe", "moe_gate_up"), rig.k.fn("moe", "moe_down"), "experts", cfg, job,
                                   bank, slots, x, h, out)
@@ -905,6 +908,25 @@ def test_experts(rig, qt):
             for e_src, d, n in cps:
                 assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
         assert (out.download() == got).all(), "prefetched experts differ from the ones read over PCIe"
+        # the wider prediction: the prefetch copies both misses, the fetch none
+        prefetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "prefetch wide", cfg, ptab, wide_ids, wide_eff,
+                                     pre_stage, lay, lo, hi, 16, k=5)
+        fetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "fetch", cfg, ptab, ids, eff, stage, lay, lo, hi,
+                                  2 * rig.dev.n_sm, pre=(wide_ids, wide_eff))
+        rig.poison(h, out)
+        for b in (stage, pre_stage):
+            b.upload(np.full(b.shape, 0xA5, np.uint8))
+        rig.run(prefetch, fetch, gu, dn)
+        want_wide, wide_copies = kmoe.fetch_table(table, wide_v, lo, hi, lay, pre_stage.ptr)
+        assert (wide_eff.download() == want_wide).all() and len(wide_copies) == 6      # experts 5 and 1
+        want_eff, copies = kmoe.fetch_table(table, ids_v, lo, hi, lay, stage.ptr, wide_v, want_wide)
+        assert (eff.download() == want_eff).all() and copies == []
+        assert (want_eff[1] == want_wide[4]).all() and (want_eff[3] == want_wide[0]).all()
+        assert (stage.download() == 0xA5).all(), "the fetch copied an expert the prefetch had"
+        staged = pre_stage.download()
+        for e_src, d, n in wide_copies:
+            assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
+        assert (out.download() == got).all(), "experts of a wider prefetch differ from the ones read over PCIe"
     finally:
         host.free()
 

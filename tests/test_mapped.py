@@ -288,6 +288,10 @@ def test_host_config_checks_map_experts():
         HostConfig(mapped_reads="sometimes")
     for reads in MAPPED_READS:
         assert HostConfig(mapped_reads=reads).mapped_reads == reads
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="prefetch_extra"):
+            HostConfig(prefetch_extra=bad)
+    assert HostConfig(prefetch_extra=16).prefetch_extra == 16
 
 
 def test_cli_mapped_reads_are_the_engines(capsys):
@@ -319,11 +323,20 @@ def test_fetch_plan_with_a_prefetch():
     assert [c[1] for c in copies] == [0, lay.off_u, lay.off_d]           # expert 1 only, into selection 0's room
     assert eff[0, 0] == stage + 3 and (eff[1] == pre_eff[0]).all() and (eff[3] == pre_eff[2]).all()
     assert (eff[2] == ptab[2]).all()
+    # a prediction wider than the route (prefetch_extra): expert 1 is among its six, so nothing is copied again
+    wide = np.array([5, 2, 7, 4, 1, 6], np.int32)
+    wide_eff, wide_copies = fetch_table(ptab, wide, lo, hi, lay, pre_stage)
+    assert len(wide_copies) == 9 and wide_eff.shape == (6, 3)
+    eff, copies = fetch_table(ptab, ids, lo, hi, lay, stage, wide, wide_eff)
+    assert copies == [] and (eff[0] == wide_eff[4]).all() and (eff[1] == wide_eff[0]).all()
     ids_all = np.array([[0, 1], [1, 3], [5, 6]])
     res = ids_all % 2 == 0
     preds = np.array([[0, 0], [3, 4], [5, 7]])
     pres = preds % 2 == 0
     assert prefetch_stats(ids_all, res, preds, pres, [10, 20, 30]) == (3, 2, 3, 20 + 2 * 30)
+    preds = np.array([[0, 0, 2], [3, 4, 1], [5, 7, 6]])           # three a layer: expert 1 and 6 predicted too
+    pres = preds % 2 == 0
+    assert prefetch_stats(ids_all, res, preds, pres, [10, 20, 30]) == (3, 3, 4, 2 * 20 + 2 * 30)
 
 
 @pytest.mark.parametrize("start", [0.0, 0.030, 0.005])

@@ -40,7 +40,7 @@ from strata.cuda.driver import CudaError
 from strata.cuda.graphs import Graph
 from strata.cuda.launch import CopyH2D, Launch, pdl_status
 from strata.cuda.weights import Uploader, conversion_note, device_rows, device_type
-from strata.host.backend import MAPPED_READS, BackendError, BudgetTooSmall, ExpertPlan, Route, Step
+from strata.host.backend import MAPPED_READS, PREFETCH_EXTRA_MAX, BackendError, BudgetTooSmall, ExpertPlan, Route, Step
 from strata.host.cells import Cells
 from strata.kernels import Kernels
 from strata.kernels import gdn as kgdn
@@ -128,7 +128,7 @@ class CudaBackend:
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
                  experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
-                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "prefetch",
+                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "prefetch", prefetch_extra: int = 0,
                  log=print):
         """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
         experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
@@ -144,13 +144,19 @@ class CudaBackend:
         beside each layer's compute, on a second graph branch, the next layer's router applied to this layer's MoE
         input predicts its experts and the predicted misses are fetched into another staging, which the next
         layer's fetch takes instead of copying them again (a wrong guess costs PCIe bytes, never correctness);
-        "direct", the expert kernels read them over PCIe themselves."""
+        "direct", the expert kernels read them over PCIe themselves.
+        prefetch_extra: with "prefetch", the prediction keeps that many experts more than the model's top k (the
+        predicted logits' top k + extra: more of the misses predicted, for PCIe bytes beside the compute)."""
         if experts not in ("vram", "host"):
             raise BackendError(f"CudaBackend: experts={experts!r}: 'vram' or 'host'")
         if mapped_reads not in MAPPED_READS:
             raise BackendError(f"CudaBackend: mapped_reads={mapped_reads!r}: one of {', '.join(MAPPED_READS)}")
         self.mapped_reads = mapped_reads
         self.prefetch = mapped_reads == "prefetch"
+        if not 0 <= int(prefetch_extra) <= PREFETCH_EXTRA_MAX:
+            raise BackendError(f"CudaBackend: prefetch_extra={prefetch_extra}: 0 .. {PREFETCH_EXTRA_MAX}")
+        # the experts a prediction keeps (moe_route's warps keep 32 candidates each: at most 32)
+        self.k_pred = min(model.cfg.n_expert_used + int(prefetch_extra), model.cfg.n_expert, 32)
         self._failed: str | None = None
         self.cfg: ModelConfig = model.cfg
         self.experts, self.graphs, self.max_ctx, self.timeout = experts, graphs, int(max_ctx), doorbell_timeout_s
@@ -428,7 +434,9 @@ class CudaBackend:
         fetch_bytes = k * max(f.stride for f in self.fetch_layouts) \
             if self.can_map and self.mapped_reads != "direct" else 0
         self.prefetch = self.prefetch and fetch_bytes > 0 and cfg.n_layer > 1
-        room -= fetch_bytes * (3 if self.prefetch else 1)
+        # two prefetch stagings of k_pred experts each, alternating by layer
+        pre_bytes = fetch_bytes // k * self.k_pred if self.prefetch else 0
+        room -= fetch_bytes + 2 * pre_bytes
         # a batched step may stream its experts (stream_open): two buffers of a layer's experts, alternating by
         # layer, after the cache's slots; only where they take at most half the room (the cache is decode's)
         self.n_stream = cfg.n_expert if self.batch is not None and 4 * cfg.n_expert * self.slot_bytes <= room else 0
@@ -459,11 +467,12 @@ class CudaBackend:
                 self.b_fetch = self.A.reserve("expert_fetch_staging", (fetch_bytes,), U8)
                 self.b_fetched = self.A.reserve("expert_fetched", (cfg.n_layer, k, 3), np.uint64)
             if self.prefetch:            # layer l's prediction (row l, made beside layer l - 1) and its fetch
-                self.b_pre_stage = [self.A.reserve(f"expert_prefetch_staging{i}", (fetch_bytes,), U8) for i in (0, 1)]
-                self.b_pre_eff = self.A.reserve("expert_prefetched", (cfg.n_layer, k, 3), np.uint64)
-                self.b_pred_ids = self.A.reserve("expert_predicted", (cfg.n_layer, k), I32)
+                kp = self.k_pred
+                self.b_pre_stage = [self.A.reserve(f"expert_prefetch_staging{i}", (pre_bytes,), U8) for i in (0, 1)]
+                self.b_pre_eff = self.A.reserve("expert_prefetched", (cfg.n_layer, kp, 3), np.uint64)
+                self.b_pred_ids = self.A.reserve("expert_predicted", (cfg.n_layer, kp), I32)
                 self.b_pred_logits = self.A.reserve("router_predicted", (cfg.n_expert,))
-                self.b_pred_wts = self.A.reserve("route_weights_predicted", (k,))
+                self.b_pred_wts = self.A.reserve("route_weights_predicted", (kp,))
 
     def _upload(self) -> None:
         up = Uploader(self.stream)
@@ -704,19 +713,19 @@ class CudaBackend:
         self._plans = (begin, pre, pre_tok, post, post_m, pref, head)
 
     def _prefetch_plan(self, il: int) -> list[tuple[str, list]]:
-        """Layer il's prediction and prefetch, run beside layer il - 1 (mapped_reads="prefetch"): the top k (no
-        doorbell) of layer il's router logits on layer il - 1's MoE input (a second job of layer il - 1's router
+        """Layer il's prediction and prefetch, run beside layer il - 1 (mapped_reads="prefetch"): the top k_pred
+        (k + prefetch_extra; no doorbell) of layer il's router logits on layer il - 1's MoE input (a second job of layer il - 1's router
         launch: a GEMV on this branch would compete for every SM) into b_pred_ids[il], and those experts' misses
         fetched into staging set il % 2 by a few CTAs (the layer's compute keeps the rest of the GPU)."""
         cfg, K, p = self.cfg, self.kern, f"blk.{il}."
         stage = self.b_pre_stage[il % 2]
         return [("predict", [_Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route_predicted", cfg, il,
                                     self.b_pred_logits, self.b_x_ffn, self.b_pred_ids.row(il), self.b_pred_wts,
-                                    self.b_step, None, self.b_ticket)]),
+                                    self.b_step, None, self.b_ticket, 1, self.k_pred)]),
                 ("prefetch", [_Later(lambda: kmoe.fetch_launch(
                     K.fn("moe", "moe_fetch"), p + "prefetch", cfg, self.b_ptab.row(il), self.b_pred_ids.row(il),
                     self.b_pre_eff.row(il), stage, self.fetch_layouts[il], self.A.base, self.A.base + self.A.total,
-                    PREFETCH_CTAS))])]
+                    PREFETCH_CTAS, k=self.k_pred))])]
 
     def _build_launches(self) -> None:
         """After the commit: the launches (their addresses now exist) and the job tables' contents."""

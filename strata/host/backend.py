@@ -81,6 +81,7 @@ from strata.reference.qsa import QsaState
 # fetched into VRAM staging first ("fetch"), the same with the next layer's predicted misses fetched a layer early
 # ("prefetch"), or read over PCIe by the expert kernels themselves ("direct")
 MAPPED_READS = ("fetch", "prefetch", "direct")
+PREFETCH_EXTRA_MAX = 16     # experts a "prefetch" prediction may keep beyond the model's top k
 
 
 class BackendError(RuntimeError):

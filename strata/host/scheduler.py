@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.host.backend import MAPPED_READS, Backend, BackendError, ExpertPlan, Route, Segment, Step
+from strata.host.backend import MAPPED_READS, PREFETCH_EXTRA_MAX, Backend, BackendError, ExpertPlan, Route, Segment, Step
 from strata.host.direct_io import ram_bytes, rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PLE_CACHE, PleReader
@@ -165,6 +165,8 @@ class HostConfig:
                                             # 24 GiB graph 8.6 ms against fetch's 10.9 on an H100,
                                             # bench/RESULTS.md); "direct", the expert kernels read them over
                                             # PCIe themselves
+    prefetch_extra: int = 0                 # "prefetch": the prediction keeps this many experts beyond the top k
+                                            # (more misses predicted for PCIe bytes beside the compute)
     promote_per_layer: int | None = None    # a mapped token's misses promoted into the VRAM cache while the next
                                             # token runs, at most this many per layer (None: every one the cache
                                             # takes); the copies share PCIe with that token's in-place reads
@@ -189,6 +191,8 @@ class HostConfig:
             raise ValueError(f"HostConfig.promote_per_layer = {self.promote_per_layer}: 0 or more, or None")
         if self.cache_half_life < 1:
             raise ValueError(f"HostConfig.cache_half_life = {self.cache_half_life}: 1 token or more")
+        if not 0 <= self.prefetch_extra <= PREFETCH_EXTRA_MAX:
+            raise ValueError(f"HostConfig.prefetch_extra = {self.prefetch_extra}: 0 .. {PREFETCH_EXTRA_MAX}")
 
 
 @dataclass(frozen=True)

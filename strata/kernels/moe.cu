@@ -121,14 +121,14 @@ __device__ __forceinline__ const u8* expert_part(const MoeJob& J, int slot, int 
 // where the expert kernels give a missed expert only the CTAs its rows fill; on the H200 both measured near PCIe
 // speed (bench/RESULTS.md, 2026-12-03), so the kernels' own reads stay an option (mapped_reads="direct").
 // n_g, n_u, n_d: each part's bytes. One CTA's threads work out the chunk ranges (k <= MAX_USED), every CTA the same.
-// pre_ids / pre_eff (k, and k x 3; null: none): a prefetch of this layer's predicted experts, this kernel's own
-// output for those ids into another staging (run beside the previous layer): a miss among them takes its
-// addresses from pre_eff and is not copied again.
+// pre_ids / pre_eff (n_pre, and n_pre x 3; null: none): a prefetch of this layer's predicted experts (n_pre of
+// them: the predicted logits' top k or more), this kernel's own output for those ids into another staging (run
+// beside the previous layer): a miss among them takes its addresses from pre_eff and is not copied again.
 #define FETCH_BATCH 8       // 16-byte loads in flight per thread
 extern "C" __global__ void __launch_bounds__(256) moe_fetch(
     const unsigned long long* __restrict__ ptab, const i32* __restrict__ ids, unsigned long long* eff, u8* stage,
     unsigned long long dev_lo, unsigned long long dev_hi, int k, int stride, int n_g, int n_u, int n_d, int off_u,
-    int off_d, const i32* __restrict__ pre_ids, const unsigned long long* __restrict__ pre_eff) {
+    int off_d, const i32* __restrict__ pre_ids, const unsigned long long* __restrict__ pre_eff, int n_pre) {
     __shared__ int first[3 * 64 + 1];           // chunk index where copy (j, p) starts; first[3k]: the total
     __shared__ unsigned long long src[3 * 64];  // its 16-aligned source
     __shared__ int dst[3 * 64];                 // its 16-aligned offset in the staging
@@ -141,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_fetch(
         const bool host = t[0] < dev_lo || t[0] >= dev_hi;
         int m = -1;                              // this miss's place among the prefetched ids
         if (host && pre_ids != nullptr)
-            for (int q = 0; q < k && m < 0; q++)
+            for (int q = 0; q < n_pre && m < 0; q++)
                 if (pre_ids[q] == e) m = q;
         const unsigned long long s = t[p];
         const int n = p == 0 ? n_g : p == 1 ? n_u : n_d;

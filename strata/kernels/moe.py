@@ -33,10 +33,12 @@ def padded_ff(cfg: ModelConfig) -> int:
 
 def route_launch(fn, name: str, cfg: ModelConfig, layer: int, logits: DevArray, x: DevArray, ids: DevArray,
                  wts: DevArray, step: DevArray, db: "DoorbellPtrs | None", ticket: DevArray,
-                 rows: int = 1) -> Launch:
+                 rows: int = 1, k: int | None = None) -> Launch:
     """Top-k routing of the step's rows (up to `rows`); with `db` the payload and the ring go to the doorbell's
-    mapped memory, rung by the last row's CTA (ticket: a zeroed u32 word the kernel leaves zeroed)."""
-    n, k, E = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
+    mapped memory, rung by the last row's CTA (ticket: a zeroed u32 word the kernel leaves zeroed). k: the
+    experts kept a row (the model's top k by default; a prediction may keep more)."""
+    n, E = cfg.n_expert, cfg.n_embd
+    k = cfg.n_expert_used if k is None else int(k)
     if n > MAX_EXPERTS or k > MAX_USED:
         raise ValueError(f"{name}: {n} experts top-{k}; the router kernel takes <= {MAX_EXPERTS} top-<= {MAX_USED}")
     need(logits, name + " logits", rows * n)
@@ -167,7 +169,8 @@ def fetch_table(ptab: np.ndarray, ids: np.ndarray, dev_lo: int, dev_hi: int, lay
                 pre_eff: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """What moe_fetch does, in numpy: (eff (k, 3) uint64, the copies [(16-aligned source, staging offset,
     bytes)]) for a layer's table ptab (n_expert, 3), its routed ids (k) and the staging at device address `stage`.
-    pre_ids (k) / pre_eff (k, 3): a prefetch's ids and its own eff; a miss among them is not copied again."""
+    pre_ids (n) / pre_eff (n, 3): a prefetch's ids and its own eff (n may differ from k: a prediction may keep more
+    experts than the route); a miss among them is not copied again."""
     eff, copies = np.zeros((len(ids), 3), np.uint64), []
     sizes, offs = (layout.n_g, layout.n_u, layout.n_d), (0, layout.off_u, layout.off_d)
     pre = [] if pre_ids is None else np.asarray(pre_ids).tolist()
@@ -191,7 +194,8 @@ def prefetch_stats(ids: np.ndarray, resident: np.ndarray, preds: np.ndarray, pre
                    part_bytes: list[int]) -> tuple[int, int, int, int]:
     """A mapped token's prefetch, counted over layers 1 .. n-1 (layer l's prediction is made beside layer l - 1):
     (misses: routed experts not in VRAM, of them predicted, predicted experts not in VRAM (the ones prefetched),
-    their bytes). ids, resident, preds, pred_resident: (n_layer, k); part_bytes: an expert's bytes per layer.
+    their bytes). ids, resident: (n_layer, k); preds, pred_resident: (n_layer, k or more: the prediction's width);
+    part_bytes: an expert's bytes per layer.
     Vectorized: it runs on the host between two tokens."""
     miss = ~resident[1:]
     predicted = (ids[1:, :, None] == preds[1:, None, :]).any(axis=2)
@@ -202,25 +206,29 @@ def prefetch_stats(ids: np.ndarray, resident: np.ndarray, preds: np.ndarray, pre
 
 def fetch_launch(fn, name: str, cfg: ModelConfig, ptab: DevArray, ids: DevArray, eff: DevArray, stage: DevArray,
                  layout: FetchLayout, dev_lo: int, dev_hi: int, n_cta: int,
-                 pre: tuple[DevArray, DevArray] | None = None) -> Launch:
-    """A mapped token's misses of one layer into VRAM staging (moe.cu moe_fetch): the selected experts ids (k)
-    whose ptab entries lie outside [dev_lo, dev_hi) are copied by n_cta CTAs; eff (k, 3) gets every selection's
-    part addresses for expert_launches(fetched=True). pre = (ids (k), eff (k, 3)) of a prefetch of the layer
-    (this kernel run earlier on predicted ids into another staging): misses among them are taken from there."""
-    k = cfg.n_expert_used
-    if k > MAX_USED:
-        raise ValueError(f"{name}: top-{k}; moe_fetch takes <= {MAX_USED}")
+                 pre: tuple[DevArray, DevArray] | None = None, k: int | None = None) -> Launch:
+    """A mapped token's misses of one layer into VRAM staging (moe.cu moe_fetch): the selected experts ids (k:
+    the model's top k unless given, a prefetch's prediction may hold more) whose ptab entries lie outside
+    [dev_lo, dev_hi) are copied by n_cta CTAs; eff (k, 3) gets every selection's part addresses for
+    expert_launches(fetched=True). pre = (ids (n), eff (n, 3)) of a prefetch of the layer (this kernel run
+    earlier on n predicted ids into another staging): misses among them are taken from there."""
+    k = cfg.n_expert_used if k is None else int(k)
+    if not 1 <= k <= MAX_USED:
+        raise ValueError(f"{name}: {k} experts; moe_fetch takes 1 .. {MAX_USED}")
+    n_pre = 0 if pre is None else pre[0].size
+    if n_pre > MAX_USED:
+        raise ValueError(f"{name}: a prefetch of {n_pre} experts; moe_fetch takes <= {MAX_USED}")
     need(ptab, name + " address table", 3 * cfg.n_expert, np.uint64)
     need(ids, name + " ids", k, np.int32)
     need(eff, name + " fetched table", 3 * k, np.uint64)
     need(stage, name + " staging", k * layout.stride, np.uint8)
     if pre is not None:
-        need(pre[0], name + " prefetched ids", k, np.int32)
-        need(pre[1], name + " prefetched table", 3 * k, np.uint64)
+        need(pre[0], name + " prefetched ids", n_pre, np.int32)
+        need(pre[1], name + " prefetched table", 3 * n_pre, np.uint64)
     return Launch(fn, name, (int(n_cta),), (CTA_THREADS,), 0,
                   [P(ptab), P(ids), P(eff), P(stage), P(int(dev_lo)), P(int(dev_hi)), I(k), I(layout.stride),
                    I(layout.n_g), I(layout.n_u), I(layout.n_d), I(layout.off_u), I(layout.off_d),
-                   P(None if pre is None else pre[0]), P(None if pre is None else pre[1])])
+                   P(None if pre is None else pre[0]), P(None if pre is None else pre[1]), I(n_pre)])
 
 
 def combine_launch(fn, name: str, cfg: ModelConfig, wts: DevArray, slots: DevArray, gpu_parts: DevArray,
