@@ -128,8 +128,8 @@ class CudaBackend:
 
     def __init__(self, model: Model, *, vram_budget_bytes: int | None = None, max_ctx: int = 8192,
                  experts: str = "vram", graphs: bool = True, doorbell_timeout_s: float = 30.0,
-                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "prefetch", prefetch_extra: int = 0,
-                 log=print):
+                 budget_counts_device: bool = False, step_tokens: int = 1, mapped_reads: str = "prefetch",
+                 prefetch_extra: int = 0, log=print):
         """experts="vram": every routed expert uploaded, resident() all true, a whole-token graph.
         experts="host": no expert is resident until load_expert puts it in one of expert_slots() cache slots,
         as many as vram_budget_bytes leaves room for (no budget: none, every expert is the host's).
@@ -714,9 +714,10 @@ class CudaBackend:
 
     def _prefetch_plan(self, il: int) -> list[tuple[str, list]]:
         """Layer il's prediction and prefetch, run beside layer il - 1 (mapped_reads="prefetch"): the top k_pred
-        (k + prefetch_extra; no doorbell) of layer il's router logits on layer il - 1's MoE input (a second job of layer il - 1's router
-        launch: a GEMV on this branch would compete for every SM) into b_pred_ids[il], and those experts' misses
-        fetched into staging set il % 2 by a few CTAs (the layer's compute keeps the rest of the GPU)."""
+        (k + prefetch_extra; no doorbell) of layer il's router logits on layer il - 1's MoE input (a second job of
+        layer il - 1's router launch: a GEMV on this branch would compete for every SM) into b_pred_ids[il], and
+        those experts' misses fetched into staging set il % 2 by a few CTAs (the layer's compute keeps the rest of
+        the GPU)."""
         cfg, K, p = self.cfg, self.kern, f"blk.{il}."
         stage = self.b_pre_stage[il % 2]
         return [("predict", [_Later(kmoe.route_launch, K.fn("moe", "moe_route"), p + "route_predicted", cfg, il,

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.host.backend import MAPPED_READS, PREFETCH_EXTRA_MAX, Backend, BackendError, ExpertPlan, Route, Segment, Step
+from strata.host.backend import (MAPPED_READS, PREFETCH_EXTRA_MAX, Backend, BackendError, ExpertPlan, Route, Segment,
+                                 Step)
 from strata.host.direct_io import ram_bytes, rss_bytes
 from strata.host.experts import CpuExpertPool, ExpertLayout, ExpertStore, MissCosts, VramCache
 from strata.host.ple_io import PLE_CACHE, PleReader
