@@ -888,45 +888,33 @@ def test_experts(rig, qt):
         for e_src, d, n in copies:
             assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
         assert (out.download() == got).all(), "fetched experts differ from the ones read over PCIe"
-        # predicted ids fetched first (the previous layer's prefetch), then this layer's fetch: expert 5 from the
-        # prefetch's staging, only expert 1 copied again
-        prefetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "prefetch", cfg, ptab, pre_ids, pre_eff, pre_stage,
-                                     lay, lo, hi, 16)
-        fetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "fetch", cfg, ptab, ids, eff, stage, lay, lo, hi,
-                                  2 * rig.dev.n_sm, pre=(pre_ids, pre_eff))
-        rig.poison(h, out)
-        for b in (stage, pre_stage):
-            b.upload(np.full(b.shape, 0xA5, np.uint8))
-        rig.run(prefetch, fetch, gu, dn)
-        want_pre, pre_copies = kmoe.fetch_table(table, pre_v, lo, hi, lay, pre_stage.ptr)
-        assert (pre_eff.download() == want_pre).all() and len(pre_copies) == 3     # expert 5's parts
-        want_eff, copies = kmoe.fetch_table(table, ids_v, lo, hi, lay, stage.ptr, pre_v, want_pre)
-        assert (eff.download() == want_eff).all()
-        assert len(copies) == 3 and (want_eff[3] == want_pre[0]).all()            # expert 1 only; 5 reused
-        for buf, cps in ((pre_stage, pre_copies), (stage, copies)):
-            staged = buf.download()
-            for e_src, d, n in cps:
-                assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
-        assert (out.download() == got).all(), "prefetched experts differ from the ones read over PCIe"
-        # the wider prediction: the prefetch copies both misses, the fetch none
-        prefetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "prefetch wide", cfg, ptab, wide_ids, wide_eff,
-                                     pre_stage, lay, lo, hi, 16, k=5)
-        fetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "fetch", cfg, ptab, ids, eff, stage, lay, lo, hi,
-                                  2 * rig.dev.n_sm, pre=(wide_ids, wide_eff))
-        rig.poison(h, out)
-        for b in (stage, pre_stage):
-            b.upload(np.full(b.shape, 0xA5, np.uint8))
-        rig.run(prefetch, fetch, gu, dn)
-        want_wide, wide_copies = kmoe.fetch_table(table, wide_v, lo, hi, lay, pre_stage.ptr)
-        assert (wide_eff.download() == want_wide).all() and len(wide_copies) == 6      # experts 5 and 1
-        want_eff, copies = kmoe.fetch_table(table, ids_v, lo, hi, lay, stage.ptr, wide_v, want_wide)
-        assert (eff.download() == want_eff).all() and copies == []
-        assert (want_eff[1] == want_wide[4]).all() and (want_eff[3] == want_wide[0]).all()
-        assert (stage.download() == 0xA5).all(), "the fetch copied an expert the prefetch had"
-        staged = pre_stage.download()
-        for e_src, d, n in wide_copies:
-            assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
-        assert (out.download() == got).all(), "experts of a wider prefetch differ from the ones read over PCIe"
+        # predicted ids fetched first (the previous layer's prefetch), then this layer's fetch: with the route's
+        # width, expert 5 from the prefetch's staging and only expert 1 copied again; with a prediction wider
+        # than the route (prefetch_extra 1), both misses among its five and nothing copied again
+        for p_v, p_ids, p_eff, again in ((pre_v, pre_ids, pre_eff, [1]), (wide_v, wide_ids, wide_eff, [])):
+            prefetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "prefetch", cfg, ptab, p_ids, p_eff,
+                                         pre_stage, lay, lo, hi, 16, k=len(p_v))
+            fetch = kmoe.fetch_launch(rig.k.fn("moe", "moe_fetch"), "fetch", cfg, ptab, ids, eff, stage, lay, lo, hi,
+                                      2 * rig.dev.n_sm, pre=(p_ids, p_eff))
+            rig.poison(h, out)
+            for b in (stage, pre_stage):
+                b.upload(np.full(b.shape, 0xA5, np.uint8))
+            rig.run(prefetch, fetch, gu, dn)
+            want_pre, pre_copies = kmoe.fetch_table(table, p_v, lo, hi, lay, pre_stage.ptr)
+            assert (p_eff.download() == want_pre).all()
+            assert len(pre_copies) == 3 * len({1, 5} & set(p_v.tolist()))          # the misses it predicted
+            want_eff, copies = kmoe.fetch_table(table, ids_v, lo, hi, lay, stage.ptr, p_v, want_pre)
+            assert (eff.download() == want_eff).all() and len(copies) == 3 * len(again)
+            for j, e in enumerate(ids_v.tolist()):                   # a predicted miss takes the prefetch's parts
+                if e in (1, 5) and e not in again:
+                    assert (want_eff[j] == want_pre[p_v.tolist().index(e)]).all()
+            if not again:
+                assert (stage.download() == 0xA5).all(), "the fetch copied an expert the prefetch had"
+            for buf, cps in ((pre_stage, pre_copies), (stage, copies)):
+                staged = buf.download()
+                for e_src, d, n in cps:
+                    assert (staged[d:d + n] == hb[e_src - host.dptr:e_src - host.dptr + n]).all()
+            assert (out.download() == got).all(), f"prefetched experts ({len(p_v)} predicted) differ from PCIe's"
     finally:
         host.free()
 
