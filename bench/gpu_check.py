@@ -790,12 +790,12 @@ def phase_ablate() -> None:
     RESULTS["ablate"] = res
 
 
-def phase_overlap(misses: int = 4) -> None:
+def phase_overlap(misses: int = 4, reps: int = 20) -> None:
     """Whether reads of pinned host memory over PCIe overlap the all-VRAM whole-token graph's compute: a reader
     graph of 48 moe_fetch launches (one a layer, `misses` flash-sized experts each from mapped pinned memory into
     VRAM staging, as a mapped token's fetch or prefetch), timed alone and started together with the token's graph
     on another stream, with 2 x SMs CTAs (the fetch's grid) and 16 (the prefetch's), at normal and at the greatest
-    stream priority. Medians of 20 after 3. If the pair takes about the longer of the two, the PCIe reads hide
+    stream priority. Medians of `reps` after 3. If the pair takes about the longer of the two, the PCIe reads hide
     behind compute; if about their sum, they do not, whatever the graph's branches."""
     from strata.cuda import driver as drv
     from strata.cuda.arena import Arena
@@ -854,7 +854,7 @@ def phase_overlap(misses: int = 4) -> None:
                 g.launch(stream)
             stream.synchronize("overlap warm-up")
             t = []
-            for _ in range(20):
+            for _ in range(reps):
                 ev[0].record(stream)
                 g.launch(stream)
                 ev[1].record(stream)
@@ -864,7 +864,7 @@ def phase_overlap(misses: int = 4) -> None:
 
         def together(g, stream) -> tuple[float, float, float]:
             t = []
-            for i in range(23):
+            for i in range(reps + 3):
                 ev[0].record(be.stream)
                 stream.wait(ev[0])
                 tok.launch(be.stream)

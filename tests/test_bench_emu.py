@@ -82,7 +82,7 @@ def test_gpu_check_overlap(emulated, tiny, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import gpu_check
     monkeypatch.setattr(gpu_check, "FLASH", tiny)
-    gpu_check.phase_overlap(misses=2)
+    gpu_check.phase_overlap(misses=2, reps=1)
     out = capsys.readouterr().out
     assert len(re.findall(r"reader +\d+ CTAs.*alone [\d.]+ ms .*both [\d.]+ ms", out)) == 4, out
     assert "the last reader's staging equals its blobs" in out, out
