@@ -45,8 +45,6 @@ CUdevice_attribute = enum.IntEnum("CUdevice_attribute", {
     "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 16, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 75,
     "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 76, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 97})
 CUstream_flags = enum.IntEnum("CUstream_flags", {"CU_STREAM_DEFAULT": 0, "CU_STREAM_NON_BLOCKING": 1})
-CUgraphInstantiate_flags = enum.IntEnum("CUgraphInstantiate_flags",
-                                        {"CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY": 8})
 CUevent_flags = enum.IntEnum("CUevent_flags", {"CU_EVENT_DEFAULT": 0, "CU_EVENT_DISABLE_TIMING": 2})
 CUstreamCaptureMode = enum.IntEnum("CUstreamCaptureMode", {"CU_STREAM_CAPTURE_MODE_GLOBAL": 0,
                                                            "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL": 1})
@@ -136,7 +134,6 @@ class EmuDriver:
     CUdevice_attribute = CUdevice_attribute
     CUstream_flags = CUstream_flags
     CUevent_flags = CUevent_flags
-    CUgraphInstantiate_flags = CUgraphInstantiate_flags
     CUstreamCaptureMode = CUstreamCaptureMode
     CUfunction_attribute = CUfunction_attribute
     CUlaunchAttributeID = CUlaunchAttributeID
@@ -473,8 +470,6 @@ class EmuDriver:
         return (OK, None, len(g.nodes))
 
     def cuGraphInstantiate(self, g, flags):
-        if int(flags) & ~int(CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY):
-            return (BAD,)
         return (OK, _Exec(g))
 
     def cuGraphLaunch(self, ex, s):

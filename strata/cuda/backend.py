@@ -431,11 +431,11 @@ class CudaBackend:
         k = cfg.n_expert_used
         self.fetch_layouts = [kmoe.FetchLayout(*(rows * rb for rows, rb in shp)) for shp in self._as_is] \
             if self.can_map else []
-        fetch_bytes = k * max(f.stride for f in self.fetch_layouts) \
-            if self.can_map and self.mapped_reads != "direct" else 0
+        stride = max(f.stride for f in self.fetch_layouts) if self.can_map and self.mapped_reads != "direct" else 0
+        fetch_bytes = k * stride
         self.prefetch = self.prefetch and fetch_bytes > 0 and cfg.n_layer > 1
         # two prefetch stagings of k_pred experts each, alternating by layer
-        pre_bytes = fetch_bytes // k * self.k_pred if self.prefetch else 0
+        pre_bytes = self.k_pred * stride if self.prefetch else 0
         room -= fetch_bytes + 2 * pre_bytes
         # a batched step may stream its experts (stream_open): two buffers of a layer's experts, alternating by
         # layer, after the cache's slots; only where they take at most half the room (the cache is decode's)

@@ -98,7 +98,7 @@ class Stream:
 
     def __init__(self, high_priority: bool = False):
         """high_priority: the device's greatest stream priority, whose pending CTAs the block scheduler places
-        before other streams' (a graph captured from it keeps that priority on its kernel nodes: graphs.py)."""
+        before other streams' (a graph launched into it runs at that priority)."""
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         if high_priority:
             _, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")

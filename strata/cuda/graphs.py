@@ -44,10 +44,7 @@ class Graph:
         if self.n_nodes == 0:
             raise CudaError(f"graph {name}: nothing was captured")
         try:
-            # node priorities: a kernel captured from a high-priority stream (the prefetch branch) keeps its
-            # priority inside the graph instead of taking the launch stream's
-            flags = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
-            self.exec = check(cu.cuGraphInstantiate(self.graph, flags), f"cuGraphInstantiate({name})")
+            self.exec = check(cu.cuGraphInstantiate(self.graph, 0), f"cuGraphInstantiate({name})")
         except CudaError:
             cu.cuGraphDestroy(self.graph)
             raise
