@@ -1215,11 +1215,13 @@ class CudaBackend:
             self._pend_turns.discard(turn)
             self._settled(np.flatnonzero(self._pend_slot == turn))
 
-    def _sync_ptab(self) -> None:
+    def _sync_ptab(self, mark: drv.Event | None = None) -> None:
         """Before a mapped token: the loads since the last launch get an event (their slots pending until it
         completes: a pending slot is read from host memory), finished loads are resolved, and the rows of the
         layers whose entries changed go to the device table, on the main stream ahead of the token (only the
-        changed entries are recomputed: a load changes two, its expert's and the one it evicted)."""
+        changed entries are recomputed: a load changes two, its expert's and the one it evicted). `mark` is
+        recorded on the stream after this host work, just before the copy (if any): the device idles while the
+        host works here, and mapped_timing's table time is the copy's alone."""
         if self._loaded:
             slots = list(self._loaded_slots)
             turn = self._loads_event()
@@ -1233,6 +1235,8 @@ class CudaBackend:
         elif self._retab:
             ls, es = np.array(self._retab, np.int64).T
         else:
+            if mark is not None:
+                mark.record(self.stream)
             return
         self._retab, self._retab_all = [], False
         s = self._slots[ls, es]
@@ -1250,6 +1254,8 @@ class CudaBackend:
             self._ptab_copy[lo, hi] = kgemv.host_copy_launch(self.kern.fn("gemv", "host_copy"), "expert address table",
                                                              self.b_ptab, self.h_ptab.dptr + rb * lo, rb * (hi - lo),
                                                              rb * lo)
+        if mark is not None:
+            mark.record(self.stream)
         self._ptab_copy[lo, hi].enqueue(self.stream)
         self.ev_ptab.record(self.stream)
 
@@ -1261,9 +1267,10 @@ class CudaBackend:
             self._prom_state = "idle"
 
     def mapped_timing(self) -> dict:
-        """After a mapped token's logits: its device time, ms (table: the address table's copy, with any wait for
-        the copy engine ahead of it; graph: the token's graph), and the newest promotions measured since the last
-        call ([experts, bytes, copy ms] from the first copy's start to the last's end; None if none completed)."""
+        """After a mapped token's logits: its device time, ms (table: the address table's copy, from its enqueue
+        after the host has updated the table; graph: the token's graph), and the newest promotions measured since
+        the last call ([experts, bytes, copy ms] from the first copy's start to the last's end; None if none
+        completed)."""
         self._harvest_promotions()
         prom, self._prom_last = self._prom_last, None
         return {"table_ms": self.ev_tok[1].elapsed_ms(self.ev_tok[0]),
@@ -1608,8 +1615,7 @@ class CudaBackend:
             raise BackendError("launch_whole: the model's PLE layer needs the row's PLE vector")
         if mapped:
             self._harvest_promotions()
-            self.ev_tok[0].record(self.stream)
-            self._sync_ptab()
+            self._sync_ptab(mark=self.ev_tok[0])
             self._tok_eff = self._eff.copy()
             self.ev_tok[1].record(self.stream)
         self._g["token"].launch(self.stream)
