@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -56,9 +57,11 @@ def build(module: str, cache: Path) -> ctypes.CDLL:
     names = sorted(set(_KERNEL_RE.findall(pre.stdout)))
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        cpp = cache / f"{module}-emu.cpp"
+        # per-process names: test workers (pytest -n) share the cache and may build the same module at once; the
+        # last replace wins with identical bytes
+        cpp = cache / f"{module}-emu-{os.getpid()}.cpp"
         cpp.write_text(f'#include "{src}"\n' + "".join(f"EMU_ENTRY({n})\n" for n in names))
-        tmp = so.with_suffix(".tmp")
+        tmp = so.with_suffix(f".{os.getpid()}.tmp")
         r = subprocess.run(base + ["-O1", "-shared", "-fPIC", "-pthread", str(cpp), "-o", str(tmp)],
                            capture_output=True, text=True)
         if r.returncode:
