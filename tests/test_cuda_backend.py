@@ -556,10 +556,13 @@ def test_scheduler_batched_prefill(case):
 
 def test_scheduler_streamed_prefill(case, monkeypatch):
     """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
-    the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by one-row
-    steps first) used in place and kept; every position against transformers, and against the split path (CPU
-    pool and uploads) within 1e-5; the device timed every layer's copies and compute; the routes copied back per
-    layer (the counts' input, read after the step) are those the split path's doorbells gave."""
+    the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by mapped
+    one-row steps first) used in place and kept, but for those in the stream buffers, which the cache holds between
+    streamed steps (lent_slots): the step takes them back first and streams their experts like any other lacking
+    one; every position against transformers, and against the split path (CPU pool and uploads) within 1e-5; the
+    device timed every layer's copies and compute; the routes copied back per layer (the counts' input, read after
+    the step) are those the split path's doorbells gave; mapped tokens after the prompt, with the stream buffers
+    the cache's again, give the first ones' logits bit for bit."""
     import asyncio
 
     from strata.host.scheduler import HostConfig, Scheduler
@@ -568,12 +571,16 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
         pytest.skip("one geometry is enough for streamed steps")
     cfg = model.cfg
     probe = CudaBackend(model, experts="host", max_ctx=128, step_tokens=24, log=print)
-    budget = probe.A.total + (4 * cfg.n_expert + 6) * probe.slot_bytes + (2 << 20)
+    # room for the two stream buffers and a cache of 2 n_expert + 2 slots: the buffers lend it the rest
+    budget = probe.A.total + (4 * cfg.n_expert + 2) * probe.slot_bytes + (1 << 20)
     probe.close()
 
     def run(mode: str):
         be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=24, log=print)
-        assert be.stream_slots() == cfg.n_expert and be.expert_slots() >= 6
+        n_all = cfg.n_layer * cfg.n_expert
+        assert be.stream_slots() == cfg.n_expert and 6 <= be.n_slots < n_all
+        assert be.lent_slots() == min(2 * cfg.n_expert, n_all - be.n_slots) > 0
+        assert be.expert_slots() == be.n_slots + be.lent_slots()
         opened, times, routes = [], [], []
         real_open, real_times = be.stream_open, be.stream_times
         real_routes, real_poll = be.streamed_routes, be.poll_route
@@ -591,19 +598,31 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
         be.poll_route = poll_route
 
         async def go():
-            sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts=mode))
+            sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts=mode,
+                                                    map_experts="always"))
             try:
-                head = await sched.score(tokens[:6])              # one-row steps: the cache fills
+                for il in range(cfg.n_layer):                     # every blob held: one-row steps run mapped
+                    for e in range(cfg.n_expert):
+                        await asyncio.wrap_future(sched.store.fetch(il, e))
+                head = await sched.score(tokens[:6])              # mapped tokens: promotions fill the cache
                 cached = dict(be._slot_of)
                 sched.step_tokens = sched.logit_rows = 24
                 rest = await sched.score(tokens)                  # a fresh sequence, in chunks of 24
-                return head, rest, cached
+                after = dict(be._slot_of)
+                sched.step_tokens = sched.logit_rows = 1
+                again = await sched.score(tokens[:6])             # mapped again, promotions refill the buffers
+                refilled = any(s >= be.n_slots for s in be._slot_of.values())
+                return head, rest, again, cached, after, refilled
             finally:
                 await sched.aclose()
-        head, rest, cached = asyncio.run(go())                    # the scheduler's aclose closes the backend
-        if mode == "always":                                      # a streamed prompt evicts nothing (it may fill
-            assert cached.items() <= be._slot_of.items()          # free slots)
-        return np.asarray(rest), opened, times, cached, [np.asarray(r) for r in routes]
+        head, rest, again, cached, after, refilled = asyncio.run(go())   # aclose closes the backend
+        assert any(s >= be.n_slots for s in cached.values()), "no promotion reached the lent stream buffers"
+        assert np.array_equal(np.asarray(again), np.asarray(head)) and refilled
+        core = {k: s for k, s in cached.items() if s < be.n_slots}
+        if mode == "always":                  # a streamed prompt evicts only what it took back (it may fill free
+            assert core.items() <= after.items()                  # slots) and leaves its buffers empty
+            assert not any(s >= be.n_slots for s in after.values())
+        return np.asarray(rest), opened, times, core, [np.asarray(r) for r in routes]
     batches = []                          # the streamed copies go as batches, one driver call a stream_experts
     real_enqueue = drv.CopyBatch._enqueue
     monkeypatch.setattr(drv.CopyBatch, "_enqueue",

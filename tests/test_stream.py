@@ -288,3 +288,44 @@ async def test_stream_choice_follows_the_costs(realistic_gguf):
         await sched.aclose()
     with pytest.raises(ValueError, match="stream_experts"):
         HostConfig(stream_experts="sometimes")
+
+
+@pytest.mark.asyncio
+async def test_stream_buffers_lent_to_the_cache(realistic_gguf):
+    """The stream buffers are the cache's between streamed steps (lent_slots): 1-row steps fill them with uploads
+    once the cache's own slots are taken; a streamed chunk takes them back first (their experts leave the cache
+    and are streamed like any other lacking expert, nothing is loaded into them during the step) and gives them
+    back after; the next 1-row steps fill them again. The logits stay exact throughout."""
+    model = load_model(realistic_gguf)
+    cfg = model.cfg
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    be = StreamVramOnCpu(model, 4)
+    lend = be.lent_slots()
+    assert lend == 2 * cfg.n_expert and be.expert_slots() == 4 + lend
+    taken: list[dict] = []
+    real_take = be.take_lent
+
+    def take():
+        before = {o: s for o, s in be.where.items() if s >= 4}
+        real_take()
+        assert not any(s >= 4 for s in be.where.values())
+        taken.append(before)
+    be.take_lent = take
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=64 * blob, stream_experts="always"))
+    ref = Engine.open_sync(realistic_gguf)
+    try:
+        assert sched.cache.slots == 4 + lend
+        await assert_parity(sched, ref, TOKENS[:8])                  # 1-row steps: uploads
+        lent_before = {o for o, s in be.where.items() if s >= 4}
+        assert lent_before and not taken
+        sched.step_tokens = sched.logit_rows = 4
+        await assert_parity(sched, ref, TOKENS[:8])                  # 4-row chunks stream
+        assert len(taken) == 2 and set(taken[0]) == lent_before
+        assert sched.cache._out is None and not be._lent_out          # given back after each step
+        assert not any(s >= 4 for s in be.where.values())             # nothing went into them meanwhile
+        sched.step_tokens = sched.logit_rows = 1
+        await assert_parity(sched, ref, TOKENS[:8])                  # 1-row steps fill them again
+        assert any(s >= 4 for s in be.where.values())
+        assert {o for o, (s, _) in sched.cache._lru.items()} == set(be.where)
+    finally:
+        await sched.aclose()

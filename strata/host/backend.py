@@ -27,6 +27,10 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       resident (with the cache's), after the copies. s: a free cache slot the
                                       host's policy picked (or None): the copy goes there and the expert stays
                                       resident, ordered like the stream's other copies
+    lent_slots() -> int               optional, with streaming: the last n of expert_slots() are the stream
+    take_lent() / return_lent()       buffers, which the cache holds between streamed steps: a step that streams
+                                      takes them back first (their experts leave the cache) and returns them once
+                                      its logits are in; load_expert puts nothing in them meanwhile
     launch_post_streamed(l)           optional, with streaming: post[l] of a streamed step once its copies are
                                       enqueued, without the host reading l's route; pre[l + 1] may follow at once
     post_done(l) -> bool              a streamed step's post[l] has run (never blocks): the host keeps its launches
@@ -273,10 +277,15 @@ class CpuBackend:
         self._stream_log: list[tuple] = []
         # the cache twin: slot -> copy, the (layer, expert) -> slot map, the launch count of each slot's load
         self.n_slots = int(cache_slots)
-        self._slot_copy: list[_Copy | None] = [None] * self.n_slots
-        self._owner: list[tuple[int, int] | None] = [None] * self.n_slots
+        # the stream buffers' twin (two layers' experts), lent to the cache between streamed steps (lent_slots)
+        self.n_lend = max(0, min(2 * self.cfg.n_expert, self.cfg.n_layer * self.cfg.n_expert - self.n_slots)) \
+            if self.stream and self.n_slots else 0
+        self._lent_out = False                    # a streamed step has them
+        n_all = self.n_slots + self.n_lend
+        self._slot_copy: list[_Copy | None] = [None] * n_all
+        self._owner: list[tuple[int, int] | None] = [None] * n_all
         self._slots = np.full((self.cfg.n_layer, self.cfg.n_expert), -1, np.int32)
-        self._loaded_at = np.full(max(self.n_slots, 1), -1, np.int64)
+        self._loaded_at = np.full(max(n_all, 1), -1, np.int64)
         self.launches = 0                         # mapped tokens launched
         self.mapped = False
         self._blobs: list | None = None
@@ -392,14 +401,31 @@ class CpuBackend:
         return np.full(len(experts), self.experts == "mapped")
 
     def expert_slots(self) -> int:
-        return self.n_slots
+        return self.n_slots + self.n_lend
+
+    def lent_slots(self) -> int:
+        return self.n_lend
+
+    def take_lent(self) -> None:
+        """A streamed step's stream buffers come back from the cache: their experts are no longer resident."""
+        for slot in range(self.n_slots, self.n_slots + self.n_lend):
+            old = self._owner[slot]
+            if old is not None:
+                self._slots[old] = -1
+            self._owner[slot] = self._slot_copy[slot] = None
+        self._lent_out = True
+
+    def return_lent(self) -> None:
+        self._lent_out = False
 
     def load_expert(self, layer: int, expert: int, slot: int, gate: np.ndarray, up: np.ndarray,
                     down: np.ndarray) -> None:
         if not self.n_slots:
             raise BackendError("the cpu backend has no expert cache (cache_slots=0)")
-        if not 0 <= slot < self.n_slots:
-            raise BackendError(f"load_expert: slot {slot} of {self.n_slots}")
+        if not 0 <= slot < self.n_slots + self.n_lend:
+            raise BackendError(f"load_expert: slot {slot} of {self.n_slots + self.n_lend}")
+        if self._lent_out and slot >= self.n_slots:
+            raise BackendError(f"load_expert: slot {slot} is a stream buffer's, taken back by the streamed step")
         if not (0 <= layer < self.cfg.n_layer and 0 <= expert < self.cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
         copy = _Copy(gate, up, down)

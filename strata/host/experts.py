@@ -434,7 +434,8 @@ class VramCache:
         self.slots, self.budget = slots, budget_bytes
         self.bytes = 0
         self._lru: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()   # (layer, expert) -> (slot, bytes)
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots - 1, -1, -1))      # popped from the end: the lowest slot first
+        self._out: tuple[int, int] | None = None          # withdrawn slots (first, count)
         self.lookups: dict[int, int] = defaultdict(int)
         self.hits: dict[int, int] = defaultdict(int)
         self.uploads = 0
@@ -531,6 +532,25 @@ class VramCache:
                 if slot is None:          # the next is no more popular and would face the same victim
                     break
                 yield il, e, slot
+
+    def withdraw(self, first: int, n: int) -> list[tuple[int, int]]:
+        """Slots first .. first + n - 1 leave the cache until restore() (a streamed step writes the backend's stream
+        buffers, which the cache holds between such steps): their experts are dropped, returned as (layer,
+        expert), and place() never picks those slots meanwhile."""
+        gone = [k for k, (slot, _) in self._lru.items() if first <= slot < first + n]
+        for k in gone:
+            self.bytes -= self._lru.pop(k)[1]
+        self._free = [slot for slot in self._free if not first <= slot < first + n]
+        self._out = (first, n)
+        return gone
+
+    def restore(self) -> None:
+        """The withdrawn slots are free again, taken after every other free slot (a streamed step takes them
+        back, so the cache fills them last)."""
+        if self._out is not None:
+            first, n = self._out
+            self._free[:0] = range(first + n - 1, first - 1, -1)
+            self._out = None
 
     def hit_rate(self) -> float:
         n = sum(self.lookups.values())

@@ -387,13 +387,18 @@ class Scheduler:
     def closed(self) -> EngineClosed | None:
         return self._closed
 
+    def _lent_note(self) -> str:
+        n = getattr(self.backend, "lent_slots", lambda: 0)()
+        return f" ({n} of them the stream buffers, the cache's between streamed steps)" if n else ""
+
     def memory_line(self) -> str:
         """The tiers' budgets, how the file is read, and the process's memory now and at its peak (resident
         memory: the page cache is not counted, and O_DIRECT leaves nothing in it to count on)."""
         gib, mib, m, s = 1 << 30, 1 << 20, rss_bytes(), self.store
         where = getattr(self.backend, "experts", "host")
         tier = (f"experts all resident in the {self.backend.name} backend ({where})" if where in ("mapped", "vram")
-                else f"experts: {self.cache.slots} VRAM slots, RAM tier {s.budget / gib:.2f} GiB, then the file")
+                else f"experts: {self.cache.slots} VRAM slots{self._lent_note()}, RAM tier {s.budget / gib:.2f} GiB, "
+                     f"then the file")
         ple = "" if self.ple is None else (
             f"; PLE table in RAM {self.ple.table_bytes / mib:.0f} MiB" if self.ple.table is not None
             else f"; PLE hot-row cache {getattr(self.ple.cache, 'nbytes', 0) / mib:.0f} MiB")
@@ -845,9 +850,21 @@ class Scheduler:
         return e
 
     async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
-        be, n = self.backend, self.cfg.n_layer
         self.cache.tick(step.T)
         stream = self._streams(step)
+        lent = stream and getattr(self.backend, "lent_slots", lambda: 0)()
+        if lent:                        # the stream buffers leave the cache for this step (Backend.lent_slots)
+            self.backend.take_lent()
+            self.cache.withdraw(self.cache.slots - lent, lent)
+        try:
+            return await self._forward_layers(step, reads, st, stream)
+        finally:
+            if lent:
+                self.backend.return_lent()
+                self.cache.restore()
+
+    async def _forward_layers(self, step: Step, reads, st: StepTrace, stream: bool) -> np.ndarray:
+        be, n = self.backend, self.cfg.n_layer
         st.mode = "stream" if stream else "split"
         (self.chunk_modes if step.T > 1 else self.decode_modes)[st.mode] += 1
         t0 = t_begin = clock()
