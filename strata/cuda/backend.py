@@ -444,7 +444,8 @@ class CudaBackend:
         room -= 2 * self.n_stream * self.slot_bytes
         self.n_slots = int(max(0, min(room // self.slot_bytes, cfg.n_layer * cfg.n_expert)))
         # the stream buffers are the cache's too between streamed steps (lent_slots): 2 x 512 slots more for
-        # flash, idle while a decode runs (bench/sim_cache.py: 73.5 -> 77.8% hits under 24 GiB)
+        # flash, idle while a decode runs (bench/sim_cache.py: 73.5 -> 77.8% hits under 24 GiB; +3.6-5.1 points on
+        # the H100, bench/RESULTS.md "fifteenth session")
         self.n_lend = max(0, min(2 * self.n_stream, cfg.n_layer * cfg.n_expert - self.n_slots))
         # one slot even with none to hand out: the job tables need a valid base (every slot id is then -1)
         n_all = max(self.n_slots + 2 * self.n_stream, 1)
