@@ -33,3 +33,9 @@ if [ ! -f "$model" ]; then
 fi
 python3 bench/bench_vs_llamacpp.py --model "$model" --config "$config" --llama-bench $bin "$@" 2>&1 \
     | tee "${OUT:-/tmp}/vs_llamacpp_$config.log"
+# Under a budget a mapped token's misses cross PCIe as kernel reads of pinned host memory, whose rate varies by host
+# (33.5 and 48 GB/s on two H100 machines, bench/RESULTS.md "fifteenth session"): the same file's readers, timed
+if [ "$config" = budget24 ]; then
+    python3 bench/gpu_check.py --phases overlap --model "$model" --routing "${ROUTING:-uniform}" 2>&1 \
+        | grep -E "reader (264|16) CTAs: alone" | tee -a "${OUT:-/tmp}/vs_llamacpp_$config.log"
+fi
