@@ -410,6 +410,24 @@ def test_vram_cache_ranks_by_decayed_routes():
         VramCache(1, 1, 1, 1, half_life=0)
 
 
+def test_vram_cache_withdraw_restore():
+    """Slots withdrawn for a streamed step (the lent stream buffers): their experts leave the cache and its bytes,
+    no placement takes them meanwhile, evicting only the cache's own slots, and once restored they are the last
+    free slots taken."""
+    cache = VramCache(slots=5, budget_bytes=1 << 20, n_layer=1, n_expert=16)
+    for e in range(4):
+        assert cache.place(0, e, 10, set()) == e                        # the lowest free slot first
+    assert cache.withdraw(3, 2) == [(0, 3)] and len(cache) == 3 and cache.bytes == 30
+    assert [cache.place(0, e, 10, set(), evict=False) for e in (8, 9)] == [None, None]
+    assert cache.place(0, 8, 10, set()) in (0, 1, 2) and (0, 0) not in cache._lru    # evicts the LRU, not slot 3/4
+    cache.restore()
+    cache.restore()                                                     # a second restore changes nothing
+    assert sorted(cache._free) == [3, 4] and cache.place(0, 10, 10, set()) in (3, 4)
+    cache.withdraw(0, 1)
+    cache.restore()
+    assert cache._free[0] == 0 and len(cache._free) == 2                # the restored slot goes last
+
+
 @pytest.mark.parametrize("n_experts,threads", [(1, 4), (3, 8), (5, 2)])
 def test_cpu_pool_row_splits_match_reference(n_experts, threads):
     """Experts of the real geometry (Q2_0, F 640, E 2560), each over its own rows of a step, split over rows and
