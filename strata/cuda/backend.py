@@ -1105,12 +1105,7 @@ class CudaBackend:
         a promotion already queued into one runs on the side stream before the step's stream copies, and the step's
         readers of the buffers come after every launch that read those experts."""
         for slot in range(self.n_slots, self.n_slots + self.n_lend):
-            old = self._owner[slot]
-            if old is not None:
-                del self._slot_of[old]
-                self._slots[old] = -1
-                self._retab.append(old)
-                self._owner[slot] = None
+            self._drop(slot)
         if self.n_lend:                          # a load still pending into one settles nothing now
             self._pend_slot[self.n_slots:self.n_slots + self.n_lend] = -1
         self._lent_out = True
@@ -1144,13 +1139,18 @@ class CudaBackend:
         if self.experts == "host":
             self._copies.flush("expert uploads")
 
-    def _own(self, slot: int, layer: int, expert: int) -> None:
-        """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
+    def _drop(self, slot: int) -> None:
+        """Cache slot `slot`'s expert, if any, is no longer resident."""
         old = self._owner[slot]
         if old is not None:
             del self._slot_of[old]
             self._slots[old] = -1
             self._retab.append(old)
+            self._owner[slot] = None
+
+    def _own(self, slot: int, layer: int, expert: int) -> None:
+        """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
+        self._drop(slot)
         self._retab.append((layer, expert))
         self._owner[slot] = (layer, expert)
         self._slot_of[(layer, expert)] = slot

@@ -309,6 +309,7 @@ class Scheduler:
                                  alloc=getattr(backend, "host_alloc", None), direct=host.direct_io,
                                  n_expert=self.cfg.n_expert)
         self.pool = CpuExpertPool(host.cpu_threads or os.cpu_count() or 1, exact)
+        self.lent = getattr(backend, "lent_slots", lambda: 0)()    # fixed with the backend (Backend.lent_slots)
         self.cache = VramCache(backend.expert_slots(), host.vram_budget_bytes, self.cfg.n_layer, self.cfg.n_expert,
                                host.cache_half_life)
         self.costs = MissCosts(self.cfg.n_layer)
@@ -388,8 +389,7 @@ class Scheduler:
         return self._closed
 
     def _lent_note(self) -> str:
-        n = getattr(self.backend, "lent_slots", lambda: 0)()
-        return f" ({n} of them the stream buffers, the cache's between streamed steps)" if n else ""
+        return f" ({self.lent} of them the stream buffers, the cache's between streamed steps)" if self.lent else ""
 
     def memory_line(self) -> str:
         """The tiers' budgets, how the file is read, and the process's memory now and at its peak (resident
@@ -852,7 +852,7 @@ class Scheduler:
     async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
         self.cache.tick(step.T)
         stream = self._streams(step)
-        lent = stream and getattr(self.backend, "lent_slots", lambda: 0)()
+        lent = stream and self.lent
         if lent:                        # the stream buffers leave the cache for this step (Backend.lent_slots)
             self.backend.take_lent()
             self.cache.withdraw(self.cache.slots - lent, lent)
