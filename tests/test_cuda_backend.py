@@ -179,8 +179,9 @@ def _layers(be, model, cache, rows: int | None = None) -> None:
 
 def _round_robin_cache(be, model):
     """A host cache policy for run_protocol / run_steps: after each route, up to 2 of the layer's missing experts
-    into the next slots round robin. Returns it and [hits, routed] counted over its calls."""
-    W, n_slots, nxt, hits = model.weights, be.expert_slots(), [0], [0, 0]
+    into the next slots round robin (the cache's own: the lent ones are a step of several rows' while it runs, and
+    only the scheduler hands them back and forth). Returns it and [hits, routed] counted over its calls."""
+    W, n_slots, nxt, hits = model.weights, be.n_slots, [0], [0, 0]
 
     def cache(il, ids):
         mask = be.resident(il, ids)
@@ -579,7 +580,7 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
         be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=24, log=print)
         n_all = cfg.n_layer * cfg.n_expert
         assert be.stream_slots() == cfg.n_expert and 6 <= be.n_slots < n_all
-        assert be.lent_slots() == min(2 * cfg.n_expert, n_all - be.n_slots) > 0
+        assert be.lent_slots() - be.n_lend_act == min(2 * cfg.n_expert, n_all - be.n_slots) > 0
         assert be.expert_slots() == be.n_slots + be.lent_slots()
         opened, times, routes = [], [], []
         real_open, real_times = be.stream_open, be.stream_times
@@ -644,6 +645,79 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
     assert sum(x[1] for x in times[0]) > 0
     assert drv.CopyBatch.ok, drv.CopyBatch.why
     assert sum(batches) >= sum(x[1] for t in times for x in t) and len(batches) < sum(batches)
+
+
+def test_scheduler_lent_activations(case):
+    """Experts on the host, a cache too small for stream buffers: the batched step's activations (the slots after
+    the cache's own, in the same buffer) are the cache's between steps of several rows. Mapped one-row steps
+    promote experts into them; a split chunk (stream_experts="never") takes them back first (their experts leave
+    the cache, nothing is loaded into them while it runs), finds them zeroed after experts, and gives every position as
+    transformers does; mapped tokens after it refill them and give the first tokens' logits bit for bit; a
+    batched step begun while experts sit in them is refused."""
+    import asyncio
+
+    from strata.cuda.arena import DevArray
+    from strata.host.backend import BackendError
+    from strata.host.scheduler import HostConfig, Scheduler
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the lent activations")
+    cfg = model.cfg
+    probe = CudaBackend(model, experts="host", max_ctx=128, step_tokens=8, log=print)
+    budget = probe.A.total + (1 << 20) + 2 * probe.slot_bytes     # ~3 slots of the 32 experts
+    probe.close()
+    be = CudaBackend(model, experts="host", vram_budget_bytes=budget, max_ctx=128, step_tokens=8, log=print)
+    act = be.batch.act
+    print(f"{be.n_slots} slots, {be.n_lend_act} lent from the activations' {act.total} bytes")
+    assert be.n_stream == 0 and be.lent_slots() == be.n_lend_act > 0 and 0 < be.n_slots
+    assert be.n_slots + be.n_lend_act < cfg.n_layer * cfg.n_expert
+    section = DevArray(be.A, "activations", act.offset, (act.total,), np.dtype(np.uint8))
+    takes = []
+    real_take = be.take_lent
+
+    def take(stream):
+        held = {k: s for k, s in be._slot_of.items() if s >= be.n_slots}
+        n = real_take(stream)
+        be.stream.synchronize("test")
+        takes.append((n, held, not section.download().any()))
+        assert not any(s >= be.n_slots for s in be._slot_of.values())
+        return n
+    be.take_lent = take
+
+    async def go():
+        sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts="never",
+                                                map_experts="always"))
+        try:
+            for il in range(cfg.n_layer):                     # every blob held: one-row steps run mapped
+                for e in range(cfg.n_expert):
+                    await asyncio.wrap_future(sched.store.fetch(il, e))
+            head = await sched.score(tokens[:6])              # mapped tokens: promotions fill the cache
+            cached = dict(be._slot_of)
+            sched.step_tokens = sched.logit_rows = 8
+            rest = await sched.score(tokens)                  # a fresh sequence, in chunks of 8
+            after = dict(be._slot_of)
+            sched.step_tokens = sched.logit_rows = 1
+            again = await sched.score(tokens[:6])             # mapped again, promotions refill the activations
+            refilled = dict(be._slot_of)
+            seq = be.new_seq()
+            try:
+                with pytest.raises(BackendError, match="take_lent first"):
+                    be.begin(Step((Segment(seq, tuple(int(t) for t in tokens[:8]), 0, logits="all"),)))
+            finally:
+                be.free_seq(seq)
+            return head, rest, again, cached, after, refilled, dict(sched.cache._lru)
+        finally:
+            await sched.aclose()
+    head, rest, again, cached, after, refilled, lru = asyncio.run(go())
+    assert any(s >= be.n_slots for s in cached.values()), "no promotion reached the lent activations"
+    assert takes and takes[0][0] == be.n_lend_act and takes[0][1] == {k: s for k, s in cached.items()
+                                                                      if s >= be.n_slots}
+    assert all(zeroed for _, held, zeroed in takes if held)     # the later chunks find the one before's rows
+    assert not any(s >= be.n_slots for s in after.values()), "a chunk left experts in its activations' slots"
+    assert any(s >= be.n_slots for s in refilled.values())
+    assert set(lru) == set(refilled)
+    _check(f"{spec.name} lent activations", np.asarray(rest), ref)
+    assert np.array_equal(np.asarray(again), np.asarray(head))
 
 
 def test_scheduler_mapped_decode(case):

@@ -1413,13 +1413,14 @@ def test_batch_prepares_each_x_once(monkeypatch):
     """GEMM_XPREP's plan (strata.cuda.batch): a step's plain GEMM ops get x_split preps, one per distinct x in an op,
     and ops reading the same x in the same k-chunk share one split buffer; GLU ops, gathered rows, the head's ops
     (their own row count) and ops of few outputs keep the tile's own split; a Q6_K op splits in chunks of 128, apart."""
-    from strata.cuda.arena import Arena, DevMat
+    from strata.cuda.arena import Arena, DevMat, Section
     from strata.cuda.batch import BatchPath
     from strata.kernels import gemm as kgemm
     from strata.kernels.gemm import GemmJob
     A = Arena()
     bp = object.__new__(BatchPath)
     bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep = SimpleNamespace(A=A), 300, {}, True, False
+    bp.act = Section("activations")
     mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
                                                n_out, n_in, row_bytes(qt, n_in))
     x, x2, y = A.reserve("x", (300, 512)), A.reserve("x2", (300, 512)), A.reserve("y", (300, 2048))

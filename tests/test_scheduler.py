@@ -39,8 +39,8 @@ class VramOnCpu(CpuBackend):
     computed from the uploaded bytes, as a GPU computes its hits, so a wrong slice or slot changes the logits;
     `where` is its slot map."""
 
-    def __init__(self, model, slots: int, stream: bool = False):
-        super().__init__(model, stream=stream, cache_slots=slots)
+    def __init__(self, model, slots: int, stream: bool = False, batch_slots: int = 0):
+        super().__init__(model, stream=stream, cache_slots=slots, batch_slots=batch_slots)
 
     @property
     def where(self) -> dict[tuple[int, int], int]:

@@ -36,8 +36,8 @@ class StreamVramOnCpu(VramOnCpu):
     """The CPU twin with a cache and stream buffers: resident experts come from the cache's slot copies, the other
     ones from the stream (both computed from the bytes the host handed over)."""
 
-    def __init__(self, model, slots: int):
-        super().__init__(model, slots, stream=True)
+    def __init__(self, model, slots: int, batch_slots: int = 0):
+        super().__init__(model, slots, stream=True, batch_slots=batch_slots)
 
 
 @pytest.mark.asyncio
@@ -305,11 +305,13 @@ async def test_stream_buffers_lent_to_the_cache(realistic_gguf):
     taken: list[dict] = []
     real_take = be.take_lent
 
-    def take():
+    def take(stream):
+        assert stream
         before = {o: s for o, s in be.where.items() if s >= 4}
-        real_take()
+        assert real_take(stream) == lend
         assert not any(s >= 4 for s in be.where.values())
         taken.append(before)
+        return lend
     be.take_lent = take
     sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=64 * blob, stream_experts="always"))
     ref = Engine.open_sync(realistic_gguf)
@@ -321,11 +323,61 @@ async def test_stream_buffers_lent_to_the_cache(realistic_gguf):
         sched.step_tokens = sched.logit_rows = 4
         await assert_parity(sched, ref, TOKENS[:8])                  # 4-row chunks stream
         assert len(taken) == 2 and set(taken[0]) == lent_before
-        assert sched.cache._out is None and not be._lent_out          # given back after each step
+        assert sched.cache._out is None and be._taken is None         # given back after each step
         assert not any(s >= 4 for s in be.where.values())             # nothing went into them meanwhile
         sched.step_tokens = sched.logit_rows = 1
         await assert_parity(sched, ref, TOKENS[:8])                  # 1-row steps fill them again
         assert any(s >= 4 for s in be.where.values())
+        assert {o for o, (s, _) in sched.cache._lru.items()} == set(be.where)
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.asyncio
+async def test_batch_activations_lent_to_the_cache(realistic_gguf):
+    """The batched step's activations' twin (batch_slots), after the stream buffers: the cache's between steps of
+    several rows. 1-row steps fill them; a split chunk (stream_experts="never") takes back only them (the stream
+    buffers keep their experts), a streamed chunk takes back both; nothing goes into what a step took meanwhile;
+    1-row steps fill them again. The logits stay exact throughout."""
+    import dataclasses
+    model = load_model(realistic_gguf)
+    cfg = model.cfg
+    blob = ExpertLayout.from_model(model).blob_bytes(0)
+    be = StreamVramOnCpu(model, 4, batch_slots=6)
+    act0 = 4 + 2 * cfg.n_expert
+    assert be.n_lend_act == 6 and be.lent_slots() == 2 * cfg.n_expert + 6 and be.expert_slots() == act0 + 6
+    assert be.expert_slots() < cfg.n_layer * cfg.n_expert
+    takes: list[tuple] = []
+    real_take, real_load = be.take_lent, be.load_expert
+
+    def take(stream):
+        stream_held = {o: s for o, s in be.where.items() if 4 <= s < act0}
+        n = real_take(stream)
+        assert not any(s >= be.expert_slots() - n for s in be.where.values())
+        takes.append((stream, n, stream_held, {o: s for o, s in be.where.items() if 4 <= s < act0}))
+        return n
+
+    def load(layer, expert, slot, *parts):
+        assert be._taken is None or slot < be._taken, "an expert loaded into a slot the step took back"
+        real_load(layer, expert, slot, *parts)
+    be.take_lent, be.load_expert = take, load
+    sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=64 * blob, stream_experts="never"))
+    ref = Engine.open_sync(realistic_gguf)
+    try:
+        await assert_parity(sched, ref, TOKENS[:8])                  # 1-row steps: uploads
+        assert any(s >= act0 for s in be.where.values()) and not takes
+        sched.step_tokens = sched.logit_rows = 4
+        await assert_parity(sched, ref, TOKENS[:8])                  # 4-row chunks, split
+        assert [t[:2] for t in takes] == [(False, 6)] * 2
+        assert takes[0][2] and takes[0][3] == takes[0][2]            # the stream buffers' experts stay
+        assert sched.cache._out is None and be._taken is None
+        sched.step_tokens = sched.logit_rows = 1
+        await assert_parity(sched, ref, TOKENS[:8])                  # 1-row steps fill them again
+        assert any(s >= act0 for s in be.where.values())
+        sched.host = dataclasses.replace(sched.host, stream_experts="always")
+        sched.step_tokens = sched.logit_rows = 4
+        await assert_parity(sched, ref, TOKENS[:8])                  # 4-row chunks, streamed: both groups
+        assert [t[:2] for t in takes[2:]] == [(True, be.lent_slots())] * 2 and not takes[2][3]
         assert {o for o, (s, _) in sched.cache._lru.items()} == set(be.where)
     finally:
         await sched.aclose()

@@ -8,6 +8,10 @@
 
 Graphs capture addresses, never re-read them: an address that changed after capture would be replayed stale,
 so nothing is reserved after commit() and nothing is ever freed but the whole arena.
+
+A Section is a run of buffers whose span is placed later inside one larger reservation (Arena.place): the batched
+step's activations sit right after the expert cache's slots, in the same buffer, so that between batched steps
+their bytes can serve as more slots (strata.cuda.backend: lent_slots).
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ class DevArray:
     offset: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    section: "Section | None" = None     # offset counts from the section's start, wherever it is placed
 
     @property
     def ptr(self) -> int:
         if self.arena.base == 0:
             raise CudaError(f"device buffer '{self.name}' used before the arena was committed")
-        return self.arena.base + self.offset
+        if self.section is None:
+            return self.arena.base + self.offset
+        if self.section.offset is None:
+            raise CudaError(f"device buffer '{self.name}' used before its section '{self.section.name}' was placed")
+        return self.arena.base + self.section.offset + self.offset
 
     @property
     def size(self) -> int:
@@ -47,7 +56,8 @@ class DevArray:
 
     def view(self, name: str, byte_offset: int, shape, dtype) -> "DevArray":
         """A typed window of this buffer's bytes (same memory)."""
-        v = DevArray(self.arena, f"{self.name}.{name}", self.offset + byte_offset, tuple(shape), np.dtype(dtype))
+        v = DevArray(self.arena, f"{self.name}.{name}", self.offset + byte_offset, tuple(shape), np.dtype(dtype),
+                     self.section)
         if byte_offset + v.nbytes > self.nbytes:
             raise ValueError(f"view '{v.name}' ends past '{self.name}' ({byte_offset + v.nbytes} > {self.nbytes})")
         return v
@@ -56,7 +66,7 @@ class DevArray:
         """Row i of the first axis, as its own array (same memory)."""
         rest = self.shape[1:]
         n = int(np.prod(rest, dtype=np.int64)) * self.dtype.itemsize
-        return DevArray(self.arena, f"{self.name}[{i}]", self.offset + i * n, rest, self.dtype)
+        return DevArray(self.arena, f"{self.name}[{i}]", self.offset + i * n, rest, self.dtype, self.section)
 
     # synchronous host transfers: setup and tests only, never inside the token loop
     def upload(self, a: np.ndarray) -> None:
@@ -96,21 +106,49 @@ class DevMat:
 
 
 @dataclass
+class Section:
+    """Buffers reserved one after another (Arena.reserve(..., section=)), their span `total` bytes placed as a
+    whole once the reservation that holds it exists (Arena.place); offset: from the arena's base, then."""
+    name: str
+    total: int = 0
+    offset: int | None = None
+
+
+def _padded(nbytes: int) -> int:
+    # 32 spare bytes keep 16-byte vector reads of a padded tail inside the buffer
+    return (nbytes + 32 + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
 class Arena:
     base: int = 0
     total: int = 0
     items: list[DevArray] = field(default_factory=list)
 
-    def reserve(self, name: str, shape, dtype=np.float32) -> DevArray:
+    def reserve(self, name: str, shape, dtype=np.float32, section: Section | None = None) -> DevArray:
         if self.base:
             raise CudaError(f"reserve('{name}') after commit: every buffer must exist before graphs are captured")
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         dtype = np.dtype(dtype)
-        a = DevArray(self, name, self.total, shape, dtype)
-        # 32 spare bytes keep 16-byte vector reads of a padded tail inside the buffer
-        self.total += (a.nbytes + 32 + ALIGN - 1) // ALIGN * ALIGN
+        if section is not None:
+            if section.offset is not None:
+                raise CudaError(f"reserve('{name}') in section '{section.name}' after it was placed")
+            a = DevArray(self, name, section.total, shape, dtype, section)
+            section.total += _padded(a.nbytes)
+        else:
+            a = DevArray(self, name, self.total, shape, dtype)
+            self.total += _padded(a.nbytes)
         self.items.append(a)
         return a
+
+    def place(self, section: Section, into: DevArray, byte_offset: int) -> None:
+        """The section's buffers from byte_offset of `into` on (a reservation sized to hold them)."""
+        if section.offset is not None:
+            raise CudaError(f"section '{section.name}' is placed once")
+        if into.section is not None or byte_offset % ALIGN or byte_offset + section.total > into.nbytes:
+            raise CudaError(f"section '{section.name}' ({section.total} B) does not fit '{into.name}' at "
+                            f"{byte_offset} ({into.nbytes} B, {ALIGN}-aligned offsets)")
+        section.offset = into.offset + byte_offset
 
     def commit(self) -> None:
         if self.base:

@@ -231,7 +231,9 @@ class CudaBackend:
         self.device_in_use = total - free
         log(f"strata.cuda: arena {self.A.total / 2**30:.2f} GiB, device memory in use {self.device_in_use / 2**30:.2f}"
             f" GiB, experts {experts}"
-            + (f" ({self.n_slots} cache slots)" if experts == "host" else "")
+            + (f" ({self.n_slots} cache slots, {self.n_lend} more lent between batched steps: "
+               f"{self.n_lend - self.n_lend_act} of the stream buffers, {self.n_lend_act} of the activations)"
+               if experts == "host" else "")
             + (f", {sum(g.n_nodes for g in self._g.values())} graph nodes" if graphs else ", eager launches")
             + f"; {pdl_status()}"
             + f", ready in {time.time() - t0:.1f}s")
@@ -392,9 +394,13 @@ class CudaBackend:
         self.banks: list[kmoe.ExpertBank] = []
         self.expert_job = [self.A.reserve(f"blk.{il}.moe_job", (kmoe.MOE_JOB_DTYPE.itemsize,), U8)
                            for il in range(cfg.n_layer)]
-        self._lent_out = False           # a streamed step has the stream buffers (take_lent .. return_lent)
+        self._taken: int | None = None   # a batched step has the lent slots from this one on (take_lent)
+        self._act_dirty = False          # an expert went into the activations' slots since they were last zeroed
+        act = self.batch.act if self.batch is not None else None
         if self.experts == "vram":
-            self.n_slots = self.n_stream = self.n_lend = 0
+            self.n_slots = self.n_stream = self.n_lend = self.n_lend_act = 0
+            if act is not None:
+                self.A.place(act, self.A.reserve("batch_activations", (max(act.total, 1),), U8), 0)
             self.can_map = False
             for il, lw in enumerate(W.layers):
                 p = f"blk.{il}."
@@ -423,7 +429,8 @@ class CudaBackend:
                            max(al(Fn * device_row_bytes(t[1], E)) for t in types),
                            max(al(E * device_row_bytes(t[2], Fn)) for t in types))
         self.slot_bytes = sum(self.slot_parts)
-        room = 0 if budget is None else budget - fixed - (1 << 20)     # 1 MiB for the job tables planned next
+        act_bytes = 0 if act is None else act.total      # placed after the slots, in the same buffer (below)
+        room = 0 if budget is None else budget - fixed - act_bytes - (1 << 20)  # 1 MiB: the job tables planned next
         # a mapped token (map_experts): one graph whose one-row expert kernels read each routed expert where the
         # table b_ptab says, a cache slot or its blob in pinned host memory; the layers' routes go to b_ids_all.
         # With mapped_reads="fetch" a layer's misses are first copied into k staging slots (moe_fetch); "prefetch"
@@ -446,16 +453,26 @@ class CudaBackend:
         # the stream buffers are the cache's too between streamed steps (lent_slots): 2 x 512 slots more for
         # flash, idle while a decode runs (bench/sim_cache.py: 73.5 -> 77.8% hits under 24 GiB; +3.6-5.1 points on
         # the H100, bench/RESULTS.md "fifteenth session")
-        self.n_lend = max(0, min(2 * self.n_stream, cfg.n_layer * cfg.n_expert - self.n_slots))
+        unheld = cfg.n_layer * cfg.n_expert - self.n_slots
+        self.n_lend = max(0, min(2 * self.n_stream, unheld))
         # one slot even with none to hand out: the job tables need a valid base (every slot id is then -1)
         n_all = max(self.n_slots + 2 * self.n_stream, 1)
-        slots = self.A.reserve("expert_slots", (n_all * self.slot_bytes,), U8)
+        # and so are the batched step's activations, as the slots after the stream buffers (slot ids n_all ..):
+        # ~3.6 GiB at flash's 4096-row steps, rewritten by every batched step and idle while tokens decode.
+        # bench/sim_cache.py: 77.8 -> 86.3% hits under 24 GiB (bench/RESULTS.md "sixteenth session")
+        self.n_lend_act = 0
+        if self.n_slots and self.n_lend == 2 * self.n_stream:
+            self.n_lend_act = max(0, min(act_bytes // self.slot_bytes, unheld - self.n_lend))
+        self.n_lend += self.n_lend_act
+        slots = self.A.reserve("expert_slots", (n_all * self.slot_bytes + act_bytes,), U8)
+        if act is not None:
+            self.A.place(act, slots, n_all * self.slot_bytes)
         self.slot_buf = slots
         og, ou = 0, self.slot_parts[0]
         od = ou + self.slot_parts[1]
         st = (self.slot_bytes,) * 3
         for tg, tu, td in types:
-            n = n_all
+            n = n_all + self.n_lend_act
             self.banks.append(kmoe.ExpertBank(
                 DevMat(slots, int(tg), Fn, E, device_row_bytes(tg, E), n), og,
                 DevMat(slots, int(tu), Fn, E, device_row_bytes(tu, E), n), ou,
@@ -508,6 +525,7 @@ class CudaBackend:
         self.ev_head = drv.Event()
         self.ev_pre = [drv.Event() for _ in range(cfg.n_layer)]
         self.ev_mark = drv.Event()
+        self.ev_side = drv.Event()              # take_lent: the side stream's copies so far
         if self.experts == "host":
             # load_expert copies run on the side stream, in order: the first load after a launch makes the side
             # stream wait for the launches so far (they may read a slot's old expert: ev_mark), and the next post
@@ -947,6 +965,9 @@ class CudaBackend:
         if self.experts == "host" and self._pend_turns:
             self._join_pending()
         if step.T > 1:
+            if self._taken is None and self._act_dirty:
+                raise BackendError(f"begin: a step of {step.T} rows would overwrite the experts cached in its "
+                                   f"activations' slots: take_lent first (lent_slots)")
             self._stage_rows(seq, step, "begin")
             self.batch.run("begin", self.batch.bucket(step.T))
             if self.n_stream:
@@ -1094,26 +1115,39 @@ class CudaBackend:
         return self.n_slots + self.n_lend
 
     def lent_slots(self) -> int:
-        """The last lent_slots() of expert_slots() are the stream buffers (slots n_slots ..), the cache's between
-        streamed steps."""
+        """The last lent_slots() of expert_slots() are the cache's while one-row steps run: the stream buffers
+        (slots n_slots ..), then the batched step's activations (the last n_lend_act)."""
         return self.n_lend
 
     @_guarded
-    def take_lent(self) -> None:
-        """Before a streamed step: the stream buffers leave the cache, their experts no longer resident (the
-        mapped table's entries go back to host memory at the next mapped token). Their copies need no wait here:
-        a promotion already queued into one runs on the side stream before the step's stream copies, and the step's
-        readers of the buffers come after every launch that read those experts."""
-        for slot in range(self.n_slots, self.n_slots + self.n_lend):
+    def take_lent(self, stream: bool = True) -> int:
+        """Before a step of several rows: the lent slots it writes leave the cache (the activations' always, the
+        stream buffers' too when it streams), their experts no longer resident (the mapped table's entries go back
+        to host memory at the next mapped token). Returns how many, the last of expert_slots(). The stream
+        buffers' copies need no wait: a promotion already queued into one runs on the side stream before the
+        step's stream copies, and the step's readers of the buffers come after every launch that read those
+        experts. The activations are written by the step's launches on the main stream, so that stream waits for
+        the side stream's copies first, then zeroes them: the step's kernels find every byte no step writes (the
+        pads of its rows) zero, as after setup."""
+        n = self.n_lend if stream else self.n_lend_act
+        first = self.n_slots + self.n_lend - n
+        for slot in range(first, first + n):
             self._drop(slot)
-        if self.n_lend:                          # a load still pending into one settles nothing now
-            self._pend_slot[self.n_slots:self.n_slots + self.n_lend] = -1
-        self._lent_out = True
+        if n:                                    # a load still pending into one settles nothing now
+            self._pend_slot[first:first + n] = -1
+        if self._act_dirty:
+            self.ev_side.record(self.side)
+            self.stream.wait(self.ev_side)
+            drv.memset_async(self.A.base + self.batch.act.offset, self.batch.act.total, self.stream,
+                             "the batched step's activations")
+            self._act_dirty = False
+        self._taken = first
+        return n
 
     def return_lent(self) -> None:
-        """After the streamed step's logits: the stream buffers are the cache's again (a load into one waits for
-        the launches before it, the step's posts included, as every load_expert does)."""
-        self._lent_out = False
+        """After the step's logits: the lent slots are the cache's again (a load into one waits for the launches
+        before it, the step's posts and head included, as every load_expert does)."""
+        self._taken = None
 
     @_guarded
     def load_expert(self, layer: int, expert: int, slot: int, gate, up, down) -> None:
@@ -1122,8 +1156,9 @@ class CudaBackend:
             raise BackendError("load_expert: experts='vram' holds every expert already")
         if not 0 <= slot < self.n_slots + self.n_lend:
             raise BackendError(f"load_expert: slot {slot} of {self.n_slots + self.n_lend}")
-        if self._lent_out and slot >= self.n_slots:
-            raise BackendError(f"load_expert: slot {slot} is a stream buffer's, taken back by the streamed step")
+        if self._taken is not None and slot >= self._taken:
+            raise BackendError(f"load_expert: slot {slot} is lent to the cache between batched steps and taken "
+                               f"back by the step in flight")
         if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
         parts = self._device_parts(layer, expert, gate, up, down, "load_expert")
@@ -1151,6 +1186,8 @@ class CudaBackend:
     def _own(self, slot: int, layer: int, expert: int) -> None:
         """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
         self._drop(slot)
+        if slot >= self.n_slots + self.n_lend - self.n_lend_act:
+            self._act_dirty = True
         self._retab.append((layer, expert))
         self._owner[slot] = (layer, expert)
         self._slot_of[(layer, expert)] = slot

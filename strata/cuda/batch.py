@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from strata.cuda import driver as drv
+from strata.cuda.arena import Section
 from strata.cuda.graphs import Graph
 from strata.cuda.launch import CopyH2D
 from strata.kernels import gdn as kgdn
@@ -59,7 +60,11 @@ class BatchPath:
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self) -> None:
         be, cfg, Tm = self.be, self.be.cfg, self.rows
-        R = be.A.reserve
+        # the step's activations go in a section the backend places after the expert cache's slots: rewritten by
+        # every step before they are read, they can hold experts between batched steps (backend lent_slots).
+        # Tables written once at setup (job tables, the tile lists' ticket) stay in the arena proper
+        self.act = Section("batched step activations")
+        R = self._act
         E, hc, k, r = cfg.n_embd, cfg.hc, cfg.n_expert_used, cfg.hc_rank
         self.R = R("b.R", (Tm, hc, E))
         self.xn = R("b.xn", (Tm, hc, E))
@@ -84,11 +89,11 @@ class BatchPath:
         self.h_exp = R("b.h_experts", (Tm * k, Fp))
         self.out_exp = R("b.expert_out", (Tm * k, E))
         tp = self.tile_plan
-        self.tiles = R("b.tiles", (4 * (tp.cap + tp.cap2),), I32)
-        self.n_tiles = R("b.n_tiles", (2,), I32)
-        self.ticket = R("b.ticket", (1,), np.uint32)
+        self.tiles = be.A.reserve("b.tiles", (4 * (tp.cap + tp.cap2),), I32)
+        self.n_tiles = be.A.reserve("b.n_tiles", (2,), I32)
+        self.ticket = be.A.reserve("b.ticket", (1,), np.uint32)
         if be.experts == "host":
-            self.slot_of = R("b.slot_of", (cfg.n_expert,), I32)
+            self.slot_of = be.A.reserve("b.slot_of", (cfg.n_expert,), I32)
             self.host_parts = R("b.host_parts", (Tm * k, E))
         L = self.logit_rows
         self.xh = R("b.head_xn", (L, hc, E))
@@ -141,6 +146,9 @@ class BatchPath:
         self._ops = self._plan_ops()
         self.wsplit_buf = R("b.wsplit", (self._wsplit_bytes,), U8) if self._wsplit_bytes else None
 
+    def _act(self, name: str, shape, dtype=F32):
+        return self.be.A.reserve(name, shape, dtype, section=self.act)
+
     def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
         """A GEMM op: its job table reserved now, its launches (one per bucket) built later. With GEMM_XPREP (gemm.py
         XPREP) a step's plain jobs read their rows split once by x_split launches ahead of the GEMM (one per
@@ -189,8 +197,7 @@ class BatchPath:
         key = (id(j.x), ldx, j.w.n_in, bk)
         xs = self._xsplits.get(key)
         if xs is None:
-            buf = self.be.A.reserve(f"b.xsplit.{len(self._xsplits)}", (kgemm.xsplit_bytes(j.w.n_in, bk, self.rows),),
-                                    U8)
+            buf = self._act(f"b.xsplit.{len(self._xsplits)}", (kgemm.xsplit_bytes(j.w.n_in, bk, self.rows),), U8)
             xs = self._xsplits[key] = kgemm.XSplit(buf, j.w.n_in, bk, self.rows)
         if all(q is not xs for _, _, q in preps):
             preps.append((j.x, ldx, xs))
@@ -208,7 +215,7 @@ class BatchPath:
         for n_in in (cfg.n_embd, cfg.n_ff_exp):
             if n_in not in self._tile_bufs:
                 size = max(kgemm.xsplit_bytes(n_in, bk, nr) for bk in (64, 128))
-                self._tile_bufs[n_in] = self.be.A.reserve(f"b.tile_split.{n_in}", (size,), U8)
+                self._tile_bufs[n_in] = self._act(f"b.tile_split.{n_in}", (size,), U8)
 
     def _tile_splits(self, bank, plan: kmoe.TilePlan):
         """With GEMM_XPREP: the split buffers of a layer's expert GEMMs (moe.py split_plan), else None."""

@@ -27,10 +27,12 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       resident (with the cache's), after the copies. s: a free cache slot the
                                       host's policy picked (or None): the copy goes there and the expert stays
                                       resident, ordered like the stream's other copies
-    lent_slots() -> int               optional, with streaming: the last n of expert_slots() are the stream
-    take_lent() / return_lent()       buffers, which the cache holds between streamed steps: a step that streams
-                                      takes them back first (their experts leave the cache) and returns them once
-                                      its logits are in; load_expert puts nothing in them meanwhile
+    lent_slots() -> int               optional: the last n of expert_slots() are the stream buffers and the
+    take_lent(stream) -> int          batched step's activations, which the cache holds between steps of several
+    return_lent()                     rows: such a step takes back first what it writes (the activations' slots,
+                                      and the stream buffers' when it streams; the count returned, the last of
+                                      expert_slots()), their experts leave the cache, and it returns them once its
+                                      logits are in; load_expert puts nothing in them meanwhile
     launch_post_streamed(l)           optional, with streaming: post[l] of a streamed step once its copies are
                                       enqueued, without the host reading l's route; pre[l + 1] may follow at once
     post_done(l) -> bool              a streamed step's post[l] has run (never blocks): the host keeps its launches
@@ -235,7 +237,9 @@ class CpuBackend:
     experts from their slot copies. With map_experts (every blob held by the host) a one-row step may run as a
     mapped token (launch_whole): each routed expert read from its slot, or from its blob where it has none, and a
     slot loaded since the previous launch still counts as the host's (its copy is in flight on the GPU) until
-    the launch after it; token_routes() says which each token read from where.
+    the launch after it; token_routes() says which each token read from where. batch_slots: the twin of
+    CudaBackend's batched-step activations lent to the cache (lent_slots), that many slots more, which every step
+    of several rows takes back.
     experts="mapped": every expert is resident: post computes
     the layer's routed experts itself from the mapped file, in one compiled batch (the CPU twin of
     CudaBackend(experts="vram")), so a layer's experts cost no host work and no hand-off to the pool.
@@ -245,7 +249,8 @@ class CpuBackend:
     max_seqs = None
     max_step_tokens = None
 
-    def __init__(self, model: Model, experts: str = "host", stream: bool = False, cache_slots: int = 0):
+    def __init__(self, model: Model, experts: str = "host", stream: bool = False, cache_slots: int = 0,
+                 batch_slots: int = 0):
         if experts not in ("host", "mapped"):
             raise ValueError(f"CpuBackend experts={experts!r}: choose 'host' or 'mapped'")
         if cache_slots and experts != "host":
@@ -278,9 +283,12 @@ class CpuBackend:
         # the cache twin: slot -> copy, the (layer, expert) -> slot map, the launch count of each slot's load
         self.n_slots = int(cache_slots)
         # the stream buffers' twin (two layers' experts), lent to the cache between streamed steps (lent_slots)
-        self.n_lend = max(0, min(2 * self.cfg.n_expert, self.cfg.n_layer * self.cfg.n_expert - self.n_slots)) \
-            if self.stream and self.n_slots else 0
-        self._lent_out = False                    # a streamed step has them
+        unheld = self.cfg.n_layer * self.cfg.n_expert - self.n_slots
+        self.n_lend = max(0, min(2 * self.cfg.n_expert, unheld)) if self.stream and self.n_slots else 0
+        # then the batched step's activations' twin (batch_slots of them), which any step of several rows takes back
+        self.n_lend_act = max(0, min(int(batch_slots), unheld - self.n_lend)) if self.n_slots else 0
+        self.n_lend += self.n_lend_act
+        self._taken: int | None = None            # a step of several rows has the lent slots from this one on
         n_all = self.n_slots + self.n_lend
         self._slot_copy: list[_Copy | None] = [None] * n_all
         self._owner: list[tuple[int, int] | None] = [None] * n_all
@@ -406,17 +414,20 @@ class CpuBackend:
     def lent_slots(self) -> int:
         return self.n_lend
 
-    def take_lent(self) -> None:
-        """A streamed step's stream buffers come back from the cache: their experts are no longer resident."""
-        for slot in range(self.n_slots, self.n_slots + self.n_lend):
+    def take_lent(self, stream: bool = True) -> int:
+        """A step of several rows takes its lent slots back (the activations' twin always, the stream buffers' when
+        it streams): their experts are no longer resident. Returns how many, the last of expert_slots()."""
+        n = self.n_lend if stream else self.n_lend_act
+        self._taken = self.n_slots + self.n_lend - n
+        for slot in range(self._taken, self._taken + n):
             old = self._owner[slot]
             if old is not None:
                 self._slots[old] = -1
             self._owner[slot] = self._slot_copy[slot] = None
-        self._lent_out = True
+        return n
 
     def return_lent(self) -> None:
-        self._lent_out = False
+        self._taken = None
 
     def load_expert(self, layer: int, expert: int, slot: int, gate: np.ndarray, up: np.ndarray,
                     down: np.ndarray) -> None:
@@ -424,8 +435,9 @@ class CpuBackend:
             raise BackendError("the cpu backend has no expert cache (cache_slots=0)")
         if not 0 <= slot < self.n_slots + self.n_lend:
             raise BackendError(f"load_expert: slot {slot} of {self.n_slots + self.n_lend}")
-        if self._lent_out and slot >= self.n_slots:
-            raise BackendError(f"load_expert: slot {slot} is a stream buffer's, taken back by the streamed step")
+        if self._taken is not None and slot >= self._taken:
+            raise BackendError(f"load_expert: slot {slot} is lent to the cache between batched steps and taken "
+                               f"back by the step in flight")
         if not (0 <= layer < self.cfg.n_layer and 0 <= expert < self.cfg.n_expert):
             raise BackendError(f"load_expert: expert {expert} of layer {layer} does not exist")
         copy = _Copy(gate, up, down)

@@ -77,8 +77,8 @@ MODE_RETRY = 32            # every this many choices between two measured modes 
 STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig.step_tokens = None) ...
 STEP_TOKENS_VRAM = 4096    # ... and on CUDA: a 4096-row chunk's graph runs ~2x the rows per second of a 512-row
                            # one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py); under a budget its 3.6 GiB
-                           # of activations (flash) take expert cache slots, and a 4K prompt still prefilled 2.3x
-                           # faster (each chunk streams every layer's experts once) with decode unchanged
+                           # of activations (flash) are cache slots between batched steps (lent_slots), and a 4K
+                           # prompt prefilled 2.3x faster (each chunk streams every layer's experts once)
 RAMP_FIRST = 512           # where PLE rows are read from the file, a prompt's first chunk at most this many rows;
                            # then each chunk doubles, up to step_tokens: a chunk waits for its PLE rows (4 KiB each,
                            # ~41K a second at depth 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and
@@ -389,7 +389,8 @@ class Scheduler:
         return self._closed
 
     def _lent_note(self) -> str:
-        return f" ({self.lent} of them the stream buffers, the cache's between streamed steps)" if self.lent else ""
+        return (f" ({self.lent} of them the stream buffers' and the batched step's activations', the cache's "
+                f"between steps of several rows)" if self.lent else "")
 
     def memory_line(self) -> str:
         """The tiers' budgets, how the file is read, and the process's memory now and at its peak (resident
@@ -852,10 +853,11 @@ class Scheduler:
     async def _forward(self, step: Step, reads, st: StepTrace) -> np.ndarray:
         self.cache.tick(step.T)
         stream = self._streams(step)
-        lent = stream and self.lent
-        if lent:                        # the stream buffers leave the cache for this step (Backend.lent_slots)
-            self.backend.take_lent()
-            self.cache.withdraw(self.cache.slots - lent, lent)
+        lent = bool(self.lent) and step.T > 1
+        if lent:                # what the step writes of the lent slots leaves the cache for it (Backend.lent_slots)
+            taken = self.backend.take_lent(stream)
+            if taken:
+                self.cache.withdraw(self.cache.slots - taken, taken)
         try:
             return await self._forward_layers(step, reads, st, stream)
         finally:
