@@ -647,6 +647,50 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
     assert sum(batches) >= sum(x[1] for t in times for x in t) and len(batches) < sum(batches)
 
 
+@pytest.mark.parametrize("experts", ["vram", "host"])
+def test_batched_step_writes_only_what_it_takes_back(case, experts):
+    """A step of few rows takes back only the activations' slots its bucket touches (BatchPath.touched): so it must
+    write nothing else. Every byte of the section outside a 16-row bucket's ranges set to a pattern, a 10-row step
+    (and a 1-row step after it; experts in VRAM, or on the host with their parts copied in) leave them as they were, and its logits match transformers; the slots taken back for
+    the small bucket are fewer than for the largest, and every slot it leaves lent lies outside its ranges."""
+    from strata.cuda.arena import DevArray
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the activations' ranges")
+    be = CudaBackend(model, experts=experts, max_ctx=512, step_tokens=512, log=print)
+    try:
+        act, bp = be.batch.act, be.batch
+        assert bp.bucket(10) == 16 and bp.buckets[-1] == 512
+        r16, r512 = bp.touched(16), bp.touched(512)
+        outside = np.ones(act.total, bool)
+        for a, b in r16:
+            outside[a:min(b, act.total)] = False
+        assert outside.sum() > act.total // 4                # the rows past 128 of every buffer of rows
+        assert (r16[:, 1] - r16[:, 0]).sum() < (r512[:, 1] - r512[:, 0]).sum()
+        slot = 4096                                       # slots of this size lent from the section:
+        n = act.total // slot
+        ids16, ids512 = bp.touched_slots(16, slot, n), bp.touched_slots(512, slot, n)
+        assert len(ids16) < len(ids512) == n and set(ids16.tolist()) < set(ids512.tolist())
+        kept = np.ones(act.total, bool)                   # those a 16-row step leaves to the cache
+        for i in ids16.tolist():
+            kept[i * slot:(i + 1) * slot] = False
+        kept[n * slot:] = False
+        assert kept.any() and not (kept & ~outside).any()
+        section = DevArray(be.A, "activations", act.offset, (act.total,), np.dtype(np.uint8))
+        before = section.download()
+        before[outside] = 0xA5
+        section.upload(before)
+        out = run_steps(be, model, tokens, [10, 1])
+        after = section.download()
+        bad = np.flatnonzero(outside & (after != before))
+        where = sorted({a.name for a in be.A.items if a.section is act for i in bad[:1000:50].tolist()
+                        if a.offset <= i < a.offset + a.nbytes + 32})
+        assert not len(bad), f"{len(bad)} bytes written outside the 16-row bucket's ranges, in {where}"
+        _check(f"{spec.name} {experts} 10 rows then 1", out, ref[:11])
+    finally:
+        be.close()
+
+
 def test_scheduler_lent_activations(case):
     """Experts on the host, a cache too small for stream buffers: the batched step's activations (the slots after
     the cache's own, in the same buffer) are the cache's between steps of several rows. Mapped one-row steps
@@ -675,13 +719,17 @@ def test_scheduler_lent_activations(case):
     takes = []
     real_take = be.take_lent
 
-    def take(stream):
+    def take(stream, rows):
         held = {k: s for k, s in be._slot_of.items() if s >= be.n_slots}
-        n = real_take(stream)
+        ids = real_take(stream, rows)
         be.stream.synchronize("test")
-        takes.append((n, held, not section.download().any()))
-        assert not any(s >= be.n_slots for s in be._slot_of.values())
-        return n
+        b = section.download()
+        rel = ids - be.n_slots
+        zeroed = all(not b[i * be.slot_bytes:(i + 1) * be.slot_bytes].any() for i in rel.tolist())
+        takes.append((ids.tolist(), {k: s for k, s in held.items() if s in set(ids.tolist())}, zeroed))
+        assert not set(ids.tolist()) & set(be._slot_of.values())
+        assert {k: s for k, s in held.items() if s not in set(ids.tolist())}.items() <= be._slot_of.items()
+        return ids
     be.take_lent = take
 
     async def go():
@@ -710,8 +758,7 @@ def test_scheduler_lent_activations(case):
             await sched.aclose()
     head, rest, again, cached, after, refilled, lru = asyncio.run(go())
     assert any(s >= be.n_slots for s in cached.values()), "no promotion reached the lent activations"
-    assert takes and takes[0][0] == be.n_lend_act and takes[0][1] == {k: s for k, s in cached.items()
-                                                                      if s >= be.n_slots}
+    assert takes and takes[0][0] == be._act_ids[8].tolist() and takes[0][1]
     assert all(zeroed for _, held, zeroed in takes if held)     # the later chunks find the one before's rows
     assert not any(s >= be.n_slots for s in after.values()), "a chunk left experts in its activations' slots"
     assert any(s >= be.n_slots for s in refilled.values())

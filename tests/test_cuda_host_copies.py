@@ -116,7 +116,7 @@ def with_cache(be, n_layer: int, n_exp: int, n_slots: int) -> None:
     be.file_types *= n_layer
     be._as_is *= n_layer
     be.experts, be.n_slots, be._failed, be._loaded, be._loaded_slots, be._retab = "host", n_slots, None, [], [], []
-    be.n_lend, be.n_lend_act, be._taken, be._act_dirty = 0, 0, None, False
+    be.n_lend, be.n_lend_act, be._taken = 0, 0, None
     be._slot_of, be._owner = {}, [None] * n_slots
     be._slots = np.full((n_layer, n_exp), -1, np.int32)
 

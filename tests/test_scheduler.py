@@ -411,21 +411,28 @@ def test_vram_cache_ranks_by_decayed_routes():
 
 
 def test_vram_cache_withdraw_restore():
-    """Slots withdrawn for a streamed step (the lent stream buffers): their experts leave the cache and its bytes,
-    no placement takes them meanwhile, evicting only the cache's own slots, and once restored they are the last
-    free slots taken."""
+    """Slots withdrawn for a step of several rows (the lent stream buffers and activations, any set of them):
+    their experts leave the cache and its bytes, no placement takes them meanwhile, evicting only the other slots,
+    and once restored they are the last free slots taken."""
     cache = VramCache(slots=5, budget_bytes=1 << 20, n_layer=1, n_expert=16)
     for e in range(4):
         assert cache.place(0, e, 10, set()) == e                        # the lowest free slot first
-    assert cache.withdraw(3, 2) == [(0, 3)] and len(cache) == 3 and cache.bytes == 30
+    assert cache.withdraw([3, 4]) == [(0, 3)] and len(cache) == 3 and cache.bytes == 30
     assert [cache.place(0, e, 10, set(), evict=False) for e in (8, 9)] == [None, None]
     assert cache.place(0, 8, 10, set()) in (0, 1, 2) and (0, 0) not in cache._lru    # evicts the LRU, not slot 3/4
     cache.restore()
     cache.restore()                                                     # a second restore changes nothing
     assert sorted(cache._free) == [3, 4] and cache.place(0, 10, 10, set()) in (3, 4)
-    cache.withdraw(0, 1)
+    cache.withdraw([0])
     cache.restore()
     assert cache._free[0] == 0 and len(cache._free) == 2                # the restored slot goes last
+    held = {k: slot for k, (slot, _) in cache._lru.items()}
+    gone = cache.withdraw(np.array([4, 1]))                             # any set of slots, not only a range
+    assert sorted(gone) == sorted(k for k, slot in held.items() if slot in (1, 4))
+    assert all(slot not in (1, 4) for slot, _ in cache._lru.values()) and not {1, 4} & set(cache._free)
+    free = list(cache._free)
+    cache.restore()
+    assert cache._free == [4, 1] + free                                 # taken after every other free slot
 
 
 @pytest.mark.parametrize("n_experts,threads", [(1, 4), (3, 8), (5, 2)])

@@ -305,13 +305,14 @@ async def test_stream_buffers_lent_to_the_cache(realistic_gguf):
     taken: list[dict] = []
     real_take = be.take_lent
 
-    def take(stream):
+    def take(stream, rows):
         assert stream
         before = {o: s for o, s in be.where.items() if s >= 4}
-        assert real_take(stream) == lend
+        ids = real_take(stream, rows)
+        assert ids.tolist() == list(range(4, 4 + lend))
         assert not any(s >= 4 for s in be.where.values())
         taken.append(before)
-        return lend
+        return ids
     be.take_lent = take
     sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=64 * blob, stream_experts="always"))
     ref = Engine.open_sync(realistic_gguf)
@@ -336,9 +337,10 @@ async def test_stream_buffers_lent_to_the_cache(realistic_gguf):
 @pytest.mark.asyncio
 async def test_batch_activations_lent_to_the_cache(realistic_gguf):
     """The batched step's activations' twin (batch_slots), after the stream buffers: the cache's between steps of
-    several rows. 1-row steps fill them; a split chunk (stream_experts="never") takes back only them (the stream
-    buffers keep their experts), a streamed chunk takes back both; nothing goes into what a step took meanwhile;
-    1-row steps fill them again. The logits stay exact throughout."""
+    several rows. 1-row steps fill them; a split chunk of 4 rows (stream_experts="never") takes back only the 4 of
+    them its rows write (the stream buffers and the other 2 keep their experts), a streamed chunk the stream
+    buffers too; nothing goes into what a step took meanwhile; 1-row steps fill them again. The logits stay exact
+    throughout."""
     import dataclasses
     model = load_model(realistic_gguf)
     cfg = model.cfg
@@ -350,15 +352,18 @@ async def test_batch_activations_lent_to_the_cache(realistic_gguf):
     takes: list[tuple] = []
     real_take, real_load = be.take_lent, be.load_expert
 
-    def take(stream):
+    def take(stream, rows):
         stream_held = {o: s for o, s in be.where.items() if 4 <= s < act0}
-        n = real_take(stream)
-        assert not any(s >= be.expert_slots() - n for s in be.where.values())
-        takes.append((stream, n, stream_held, {o: s for o, s in be.where.items() if 4 <= s < act0}))
-        return n
+        act_held = {o: s for o, s in be.where.items() if s >= act0 + rows}
+        ids = real_take(stream, rows)
+        assert not set(ids.tolist()) & set(be.where.values())
+        takes.append((stream, ids.tolist(), stream_held, {o: s for o, s in be.where.items() if 4 <= s < act0},
+                      act_held))
+        assert act_held.items() <= be.where.items()             # the activations past its rows keep theirs
+        return ids
 
     def load(layer, expert, slot, *parts):
-        assert be._taken is None or slot < be._taken, "an expert loaded into a slot the step took back"
+        assert be._taken is None or not be._taken[slot], "an expert loaded into a slot the step took back"
         real_load(layer, expert, slot, *parts)
     be.take_lent, be.load_expert = take, load
     sched = Scheduler(model, be, HostConfig(step_tokens=1, vram_budget_bytes=64 * blob, stream_experts="never"))
@@ -368,8 +373,9 @@ async def test_batch_activations_lent_to_the_cache(realistic_gguf):
         assert any(s >= act0 for s in be.where.values()) and not takes
         sched.step_tokens = sched.logit_rows = 4
         await assert_parity(sched, ref, TOKENS[:8])                  # 4-row chunks, split
-        assert [t[:2] for t in takes] == [(False, 6)] * 2
+        assert [t[:2] for t in takes] == [(False, list(range(act0, act0 + 4)))] * 2     # one a row of the 4
         assert takes[0][2] and takes[0][3] == takes[0][2]            # the stream buffers' experts stay
+        assert takes[0][4]                                           # and those past the chunk's rows
         assert sched.cache._out is None and be._taken is None
         sched.step_tokens = sched.logit_rows = 1
         await assert_parity(sched, ref, TOKENS[:8])                  # 1-row steps fill them again
@@ -377,7 +383,7 @@ async def test_batch_activations_lent_to_the_cache(realistic_gguf):
         sched.host = dataclasses.replace(sched.host, stream_experts="always")
         sched.step_tokens = sched.logit_rows = 4
         await assert_parity(sched, ref, TOKENS[:8])                  # 4-row chunks, streamed: both groups
-        assert [t[:2] for t in takes[2:]] == [(True, be.lent_slots())] * 2 and not takes[2][3]
+        assert [t[:2] for t in takes[2:]] == [(True, list(range(4, act0 + 4)))] * 2 and not takes[2][3]
         assert {o for o, (s, _) in sched.cache._lru.items()} == set(be.where)
     finally:
         await sched.aclose()

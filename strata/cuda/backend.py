@@ -394,8 +394,7 @@ class CudaBackend:
         self.banks: list[kmoe.ExpertBank] = []
         self.expert_job = [self.A.reserve(f"blk.{il}.moe_job", (kmoe.MOE_JOB_DTYPE.itemsize,), U8)
                            for il in range(cfg.n_layer)]
-        self._taken: int | None = None   # a batched step has the lent slots from this one on (take_lent)
-        self._act_dirty = False          # an expert went into the activations' slots since they were last zeroed
+        self._taken: np.ndarray | None = None   # the lent slots the batched step in flight took back (take_lent)
         act = self.batch.act if self.batch is not None else None
         if self.experts == "vram":
             self.n_slots = self.n_stream = self.n_lend = self.n_lend_act = 0
@@ -468,6 +467,12 @@ class CudaBackend:
         if act is not None:
             self.A.place(act, slots, n_all * self.slot_bytes)
         self.slot_buf = slots
+        # the activations' slots a step of each bucket writes (BatchPath.touched): a short chunk takes back few
+        self._act_ids: dict[int, np.ndarray] = {}
+        if self.n_lend_act:
+            for b in self.batch.buckets:
+                self._act_ids[b] = n_all + self.batch.touched_slots(b, self.slot_bytes, self.n_lend_act)
+        self._act_dirty = np.zeros(self.n_lend_act, bool)   # an expert went in since the slot was last zeroed
         og, ou = 0, self.slot_parts[0]
         od = ou + self.slot_parts[1]
         st = (self.slot_bytes,) * 3
@@ -965,7 +970,8 @@ class CudaBackend:
         if self.experts == "host" and self._pend_turns:
             self._join_pending()
         if step.T > 1:
-            if self._taken is None and self._act_dirty:
+            if self._taken is None and self.n_lend_act and any(
+                    self._owner[s] is not None for s in self._act_ids[self.batch.bucket(step.T)].tolist()):
                 raise BackendError(f"begin: a step of {step.T} rows would overwrite the experts cached in its "
                                    f"activations' slots: take_lent first (lent_slots)")
             self._stage_rows(seq, step, "begin")
@@ -1116,33 +1122,42 @@ class CudaBackend:
 
     def lent_slots(self) -> int:
         """The last lent_slots() of expert_slots() are the cache's while one-row steps run: the stream buffers
-        (slots n_slots ..), then the batched step's activations (the last n_lend_act)."""
+        (slots n_slots ..), then the batched step's activations (the last n_lend_act; a step of few rows takes
+        back only those its bucket writes)."""
         return self.n_lend
 
     @_guarded
-    def take_lent(self, stream: bool = True) -> int:
-        """Before a step of several rows: the lent slots it writes leave the cache (the activations' always, the
-        stream buffers' too when it streams), their experts no longer resident (the mapped table's entries go back
-        to host memory at the next mapped token). Returns how many, the last of expert_slots(). The stream
+    def take_lent(self, stream: bool, rows: int) -> np.ndarray:
+        """Before a step of `rows` rows: the lent slots it writes leave the cache (the activations' slots its
+        bucket touches, and the stream buffers when it streams), their experts no longer resident (the mapped
+        table's entries go back to host memory at the next mapped token). Returns those slot ids. The stream
         buffers' copies need no wait: a promotion already queued into one runs on the side stream before the
         step's stream copies, and the step's readers of the buffers come after every launch that read those
         experts. The activations are written by the step's launches on the main stream, so that stream waits for
-        the side stream's copies first, then zeroes them: the step's kernels find every byte no step writes (the
-        pads of its rows) zero, as after setup."""
-        n = self.n_lend if stream else self.n_lend_act
-        first = self.n_slots + self.n_lend - n
-        for slot in range(first, first + n):
+        the side stream's copies first, then zeroes the taken slots that held experts: the step's kernels find
+        every byte no step writes (the pads of its rows) zero, as after setup."""
+        act = self._act_ids.get(self.batch.bucket(rows), np.zeros(0, np.int64)) if self.n_lend_act else \
+            np.zeros(0, np.int64)
+        n_str = self.n_lend - self.n_lend_act
+        ids = np.concatenate([np.arange(self.n_slots, self.n_slots + n_str) if stream else np.zeros(0, np.int64),
+                              act])
+        for slot in ids.tolist():
             self._drop(slot)
-        if n:                                    # a load still pending into one settles nothing now
-            self._pend_slot[first:first + n] = -1
-        if self._act_dirty:
+        if len(ids):                             # a load still pending into one settles nothing now
+            self._pend_slot[ids] = -1
+        first = self.n_slots + n_str             # the activations' slot 0
+        dirty = act[self._act_dirty[act - first]]
+        if len(dirty):
             self.ev_side.record(self.side)
             self.stream.wait(self.ev_side)
-            drv.memset_async(self.A.base + self.batch.act.offset, self.batch.act.total, self.stream,
-                             "the batched step's activations")
-            self._act_dirty = False
-        self._taken = first
-        return n
+            cuts = np.flatnonzero(np.diff(dirty) != 1) + 1
+            for run in np.split(dirty, cuts):    # contiguous runs of slots, one memset each
+                drv.memset_async(self.slot_buf.ptr + int(run[0]) * self.slot_bytes, len(run) * self.slot_bytes,
+                                 self.stream, "the batched step's activations")
+            self._act_dirty[dirty - first] = False
+        self._taken = np.zeros(self.n_slots + self.n_lend, bool)
+        self._taken[ids] = True
+        return ids
 
     def return_lent(self) -> None:
         """After the step's logits: the lent slots are the cache's again (a load into one waits for the launches
@@ -1156,7 +1171,7 @@ class CudaBackend:
             raise BackendError("load_expert: experts='vram' holds every expert already")
         if not 0 <= slot < self.n_slots + self.n_lend:
             raise BackendError(f"load_expert: slot {slot} of {self.n_slots + self.n_lend}")
-        if self._taken is not None and slot >= self._taken:
+        if self._taken is not None and self._taken[slot]:
             raise BackendError(f"load_expert: slot {slot} is lent to the cache between batched steps and taken "
                                f"back by the step in flight")
         if not (0 <= layer < cfg.n_layer and 0 <= expert < cfg.n_expert):
@@ -1186,8 +1201,9 @@ class CudaBackend:
     def _own(self, slot: int, layer: int, expert: int) -> None:
         """Cache slot `slot` holds (layer, expert) from now on; its old expert is no longer resident."""
         self._drop(slot)
-        if slot >= self.n_slots + self.n_lend - self.n_lend_act:
-            self._act_dirty = True
+        first = self.n_slots + self.n_lend - self.n_lend_act
+        if slot >= first:
+            self._act_dirty[slot - first] = True
         self._retab.append((layer, expert))
         self._owner[slot] = (layer, expert)
         self._slot_of[(layer, expert)] = slot

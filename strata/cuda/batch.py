@@ -24,7 +24,7 @@ import re
 import numpy as np
 
 from strata.cuda import driver as drv
-from strata.cuda.arena import Section
+from strata.cuda.arena import DevArray, Section
 from strata.cuda.graphs import Graph
 from strata.cuda.launch import CopyH2D
 from strata.kernels import gdn as kgdn
@@ -64,37 +64,42 @@ class BatchPath:
         # every step before they are read, they can hold experts between batched steps (backend lent_slots).
         # Tables written once at setup (job tables, the tile lists' ticket) stay in the arena proper
         self.act = Section("batched step activations")
+        # buffers of the step's rows or its (row, expert) pairs (a step of B rows writes their first B rows or B k
+        # pairs: touched), with their bytes a step row; the head's buffers are whole (its graph serves every
+        # bucket and runs its kernels over all its rows)
+        self._act_rows: list[tuple[DevArray, int]] = []
         R = self._act
+        Rr = lambda name, shape, dtype=F32: self._act(name, shape, dtype, per_row=True)  # noqa: E731
         E, hc, k, r = cfg.n_embd, cfg.hc, cfg.n_expert_used, cfg.hc_rank
-        self.R = R("b.R", (Tm, hc, E))
-        self.xn = R("b.xn", (Tm, hc, E))
-        self.lo_raw = R("b.lo_raw", (Tm, r))
-        self.lo = R("b.lo", (Tm, r))
-        self.G = R("b.G", (Tm, hc * E))
-        self.inj_a = R("b.inject_attn", (Tm, hc))
-        self.inj_f = R("b.inject_ffn", (Tm, hc))
-        self.mixed = R("b.mixed", (Tm, E))
-        self.mix_out = R("b.mixer_out", (Tm, E))
-        self.x_ffn = R("b.x_ffn", (Tm, E))
-        self.logits_r = R("b.router_logits", (Tm, cfg.n_expert))
-        self.sg = R("b.shexp_gate", (Tm, 1))
-        self.ids = R("b.ids", (Tm, k), I32)
-        self.wts = R("b.weights", (Tm, k))
-        self.h_sh = R("b.h_shared", (Tm, cfg.n_ff_shexp))
-        self.shared = R("b.shared", (Tm, E))
-        self.comb = R("b.combine", (Tm, E))
+        self.R = Rr("b.R", (Tm, hc, E))
+        self.xn = Rr("b.xn", (Tm, hc, E))
+        self.lo_raw = Rr("b.lo_raw", (Tm, r))
+        self.lo = Rr("b.lo", (Tm, r))
+        self.G = Rr("b.G", (Tm, hc * E))
+        self.inj_a = Rr("b.inject_attn", (Tm, hc))
+        self.inj_f = Rr("b.inject_ffn", (Tm, hc))
+        self.mixed = Rr("b.mixed", (Tm, E))
+        self.mix_out = Rr("b.mixer_out", (Tm, E))
+        self.x_ffn = Rr("b.x_ffn", (Tm, E))
+        self.logits_r = Rr("b.router_logits", (Tm, cfg.n_expert))
+        self.sg = Rr("b.shexp_gate", (Tm, 1))
+        self.ids = Rr("b.ids", (Tm, k), I32)
+        self.wts = Rr("b.weights", (Tm, k))
+        self.h_sh = Rr("b.h_shared", (Tm, cfg.n_ff_shexp))
+        self.shared = Rr("b.shared", (Tm, E))
+        self.comb = Rr("b.combine", (Tm, E))
         Fp = kmoe.padded_ff(cfg)
-        self.pair_tok = R("b.pair_rows", (Tm * k,), I32)
-        self.pair_of = R("b.pair_of", (Tm * k,), I32)
-        self.h_exp = R("b.h_experts", (Tm * k, Fp))
-        self.out_exp = R("b.expert_out", (Tm * k, E))
+        self.pair_tok = Rr("b.pair_rows", (Tm * k,), I32)
+        self.pair_of = Rr("b.pair_of", (Tm * k,), I32)
+        self.h_exp = Rr("b.h_experts", (Tm * k, Fp))
+        self.out_exp = Rr("b.expert_out", (Tm * k, E))
         tp = self.tile_plan
         self.tiles = be.A.reserve("b.tiles", (4 * (tp.cap + tp.cap2),), I32)
         self.n_tiles = be.A.reserve("b.n_tiles", (2,), I32)
         self.ticket = be.A.reserve("b.ticket", (1,), np.uint32)
         if be.experts == "host":
             self.slot_of = be.A.reserve("b.slot_of", (cfg.n_expert,), I32)
-            self.host_parts = R("b.host_parts", (Tm * k, E))
+            self.host_parts = Rr("b.host_parts", (Tm * k, E))
         L = self.logit_rows
         self.xh = R("b.head_xn", (L, hc, E))
         self.lo_h = R("b.head_lo_raw", (L, r))
@@ -103,38 +108,38 @@ class BatchPath:
         self.mixed_h = R("b.head_mixed", (L, E))
         self.logits = R("b.logits", (L, cfg.n_vocab))
         if any(cfg.recurrent):
-            self.qkv = R("b.gdn_qkv", (Tm, cfg.conv_dim))
-            self.conv = R("b.gdn_conv", (Tm, cfg.conv_dim))
-            self.z = R("b.gdn_z", (Tm, cfg.value_dim))
-            self.alpha = R("b.gdn_alpha", (Tm, cfg.ssm_v_heads))
-            self.beta = R("b.gdn_beta", (Tm, cfg.ssm_v_heads))
-            self.y = R("b.gdn_y", (Tm, cfg.value_dim))
-            self.qn = R("b.gdn_q", (Tm, cfg.ssm_k_heads, cfg.ssm_state))
-            self.kn = R("b.gdn_k", (Tm, cfg.ssm_k_heads, cfg.ssm_state))
-            self.bt = R("b.gdn_beta_gate", (Tm, cfg.ssm_v_heads))
-            self.eg = R("b.gdn_decay", (Tm, cfg.ssm_v_heads))
-            self.o = R("b.gdn_o", (Tm, cfg.value_dim))
+            self.qkv = Rr("b.gdn_qkv", (Tm, cfg.conv_dim))
+            self.conv = Rr("b.gdn_conv", (Tm, cfg.conv_dim))
+            self.z = Rr("b.gdn_z", (Tm, cfg.value_dim))
+            self.alpha = Rr("b.gdn_alpha", (Tm, cfg.ssm_v_heads))
+            self.beta = Rr("b.gdn_beta", (Tm, cfg.ssm_v_heads))
+            self.y = Rr("b.gdn_y", (Tm, cfg.value_dim))
+            self.qn = Rr("b.gdn_q", (Tm, cfg.ssm_k_heads, cfg.ssm_state))
+            self.kn = Rr("b.gdn_k", (Tm, cfg.ssm_k_heads, cfg.ssm_state))
+            self.bt = Rr("b.gdn_beta_gate", (Tm, cfg.ssm_v_heads))
+            self.eg = Rr("b.gdn_decay", (Tm, cfg.ssm_v_heads))
+            self.o = Rr("b.gdn_o", (Tm, cfg.value_dim))
         if not all(cfg.recurrent):
             H, Hkv, D, Hi, Di = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.idx_heads, cfg.idx_dim
             self.ld_blocks = max(be.max_ctx // cfg.compress_ratios[i] for i in range(cfg.n_layer)
                                  if not cfg.recurrent[i])
-            self.qg = R("b.qsa_q_gate", (Tm, H, 2 * D))
-            self.kr = R("b.qsa_k", (Tm, Hkv * D))
-            self.vr = R("b.qsa_v", (Tm, Hkv * D))
-            self.iqr = R("b.qsa_iq_raw", (Tm, Hi * Di))
-            self.ikr = R("b.qsa_ik_raw", (Tm, Di))
-            self.q = R("b.qsa_q", (Tm, H, D))
-            self.iq = R("b.qsa_iq", (Tm, Hi, Di))
-            self.scores = R("b.qsa_scores", (Tm, self.ld_blocks))
-            self.sel = R("b.qsa_sel", (Tm, self.ld_blocks), I32)
-            self.meta = R("b.qsa_meta", (Tm, 2), I32)
-            self.part = R("b.qsa_partials", (Tm, H, NSPLIT, D + 2))
-            self.att = R("b.qsa_att", (Tm, H * D))
+            self.qg = Rr("b.qsa_q_gate", (Tm, H, 2 * D))
+            self.kr = Rr("b.qsa_k", (Tm, Hkv * D))
+            self.vr = Rr("b.qsa_v", (Tm, Hkv * D))
+            self.iqr = Rr("b.qsa_iq_raw", (Tm, Hi * Di))
+            self.ikr = Rr("b.qsa_ik_raw", (Tm, Di))
+            self.q = Rr("b.qsa_q", (Tm, H, D))
+            self.iq = Rr("b.qsa_iq", (Tm, Hi, Di))
+            self.scores = Rr("b.qsa_scores", (Tm, self.ld_blocks))
+            self.sel = Rr("b.qsa_sel", (Tm, self.ld_blocks), I32)
+            self.meta = Rr("b.qsa_meta", (Tm, 2), I32)
+            self.part = Rr("b.qsa_partials", (Tm, H, NSPLIT, D + 2))
+            self.att = Rr("b.qsa_att", (Tm, H * D))
         if cfg.ple_layers:
-            self.ple_e = R("b.ple_e", (Tm, cfg.ple_dim))
-            self.ple_key = R("b.ple_key_raw", (Tm, cfg.hc_dim))
-            self.ple_value = R("b.ple_value", (Tm, E))
-            self.ple_gate = R("b.ple_gate", (Tm, cfg.hc))
+            self.ple_e = Rr("b.ple_e", (Tm, cfg.ple_dim))
+            self.ple_key = Rr("b.ple_key_raw", (Tm, cfg.hc_dim))
+            self.ple_value = Rr("b.ple_value", (Tm, E))
+            self.ple_gate = Rr("b.ple_gate", (Tm, cfg.hc))
         self._xsplits: dict = {}
         # x split once per launch where the tiles can copy it: Hopper's wgmma tile (gemm.py XPREP)
         self.xprep = bool(kgemm.XPREP) and be.dev.arch == 90
@@ -146,8 +151,35 @@ class BatchPath:
         self._ops = self._plan_ops()
         self.wsplit_buf = R("b.wsplit", (self._wsplit_bytes,), U8) if self._wsplit_bytes else None
 
-    def _act(self, name: str, shape, dtype=F32):
-        return self.be.A.reserve(name, shape, dtype, section=self.act)
+    def _act(self, name: str, shape, dtype=F32, per_row: bool = False):
+        """A buffer of the activations' section; per_row: its first axis is the step's rows (a step writes only
+        its first rows: touched)."""
+        a = self.be.A.reserve(name, shape, dtype, section=self.act)
+        if per_row:
+            self._act_rows.append((a, a.nbytes // self.rows))
+        return a
+
+    def touched(self, bucket: int) -> np.ndarray:
+        """(n, 2) byte ranges of the activations' section that a step of this bucket may write or read as part of
+        a row it computes: its first rows (or their pairs) of every buffer of rows, rounded up to 128 rows (a GEMM
+        tile's), and all of every other buffer (the head's, the split planes: their layouts are not by step row).
+        tests/test_cuda_backend.py checks that a step writes nothing else."""
+        rows = min(self.rows, -(-bucket // 128) * 128)
+        per_row = {id(a): rb for a, rb in self._act_rows}
+        out = []
+        for a in self.be.A.items:
+            if a.section is self.act:
+                rb = per_row.get(id(a))
+                n = a.nbytes if rb is None else min(a.nbytes, rows * rb)
+                out.append((a.offset, a.offset + n + 32))      # the 32 spare bytes of vector reads
+        return np.array(out, np.int64).reshape(-1, 2)
+
+    def touched_slots(self, bucket: int, slot_bytes: int, n: int) -> np.ndarray:
+        """Which of the section's first n pieces of slot_bytes (the cache slots lent from it) a step of this bucket
+        touches."""
+        r, lo = self.touched(bucket), np.arange(n, dtype=np.int64) * slot_bytes
+        return np.flatnonzero(((r[:, 0][None, :] < (lo + slot_bytes)[:, None]) & (r[:, 1][None, :] > lo[:, None]))
+                              .any(1))
 
     def _gemm(self, name: str, jobs: list[GemmJob], n_rows=None):
         """A GEMM op: its job table reserved now, its launches (one per bucket) built later. With GEMM_XPREP (gemm.py

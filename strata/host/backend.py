@@ -28,10 +28,10 @@ one decoding token, decode rows first by the scheduler's policy. Per step:
                                       host's policy picked (or None): the copy goes there and the expert stays
                                       resident, ordered like the stream's other copies
     lent_slots() -> int               optional: the last n of expert_slots() are the stream buffers and the
-    take_lent(stream) -> int          batched step's activations, which the cache holds between steps of several
-    return_lent()                     rows: such a step takes back first what it writes (the activations' slots,
-                                      and the stream buffers' when it streams; the count returned, the last of
-                                      expert_slots()), their experts leave the cache, and it returns them once its
+    take_lent(stream, rows) -> ids    batched step's activations, which the cache holds between steps of several
+    return_lent()                     rows: such a step takes back first the slots it writes (the activations'
+                                      its rows touch, and the stream buffers' when it streams; their ids
+                                      returned), their experts leave the cache, and it returns them once its
                                       logits are in; load_expert puts nothing in them meanwhile
     launch_post_streamed(l)           optional, with streaming: post[l] of a streamed step once its copies are
                                       enqueued, without the host reading l's route; pre[l + 1] may follow at once
@@ -238,8 +238,8 @@ class CpuBackend:
     mapped token (launch_whole): each routed expert read from its slot, or from its blob where it has none, and a
     slot loaded since the previous launch still counts as the host's (its copy is in flight on the GPU) until
     the launch after it; token_routes() says which each token read from where. batch_slots: the twin of
-    CudaBackend's batched-step activations lent to the cache (lent_slots), that many slots more, which every step
-    of several rows takes back.
+    CudaBackend's batched-step activations lent to the cache (lent_slots), that many slots more, of which a step of
+    several rows takes back one a row (as a CUDA step takes back those its rows touch).
     experts="mapped": every expert is resident: post computes
     the layer's routed experts itself from the mapped file, in one compiled batch (the CPU twin of
     CudaBackend(experts="vram")), so a layer's experts cost no host work and no hand-off to the pool.
@@ -288,7 +288,7 @@ class CpuBackend:
         # then the batched step's activations' twin (batch_slots of them), which any step of several rows takes back
         self.n_lend_act = max(0, min(int(batch_slots), unheld - self.n_lend)) if self.n_slots else 0
         self.n_lend += self.n_lend_act
-        self._taken: int | None = None            # a step of several rows has the lent slots from this one on
+        self._taken: np.ndarray | None = None     # the lent slots a step of several rows took back (by slot)
         n_all = self.n_slots + self.n_lend
         self._slot_copy: list[_Copy | None] = [None] * n_all
         self._owner: list[tuple[int, int] | None] = [None] * n_all
@@ -414,17 +414,21 @@ class CpuBackend:
     def lent_slots(self) -> int:
         return self.n_lend
 
-    def take_lent(self, stream: bool = True) -> int:
-        """A step of several rows takes its lent slots back (the activations' twin always, the stream buffers' when
-        it streams): their experts are no longer resident. Returns how many, the last of expert_slots()."""
-        n = self.n_lend if stream else self.n_lend_act
-        self._taken = self.n_slots + self.n_lend - n
-        for slot in range(self._taken, self._taken + n):
+    def take_lent(self, stream: bool, rows: int) -> np.ndarray:
+        """A step of `rows` rows takes back the lent slots it writes (the activations' twin: one slot a row, up to
+        batch_slots; the stream buffers' when it streams): their experts are no longer resident. Returns their
+        ids."""
+        n_str = self.n_lend - self.n_lend_act
+        act = self.n_slots + n_str + np.arange(min(rows, self.n_lend_act))
+        ids = np.concatenate([np.arange(self.n_slots, self.n_slots + n_str) if stream else act[:0], act])
+        for slot in ids.tolist():
             old = self._owner[slot]
             if old is not None:
                 self._slots[old] = -1
             self._owner[slot] = self._slot_copy[slot] = None
-        return n
+        self._taken = np.zeros(self.n_slots + self.n_lend, bool)
+        self._taken[ids] = True
+        return ids
 
     def return_lent(self) -> None:
         self._taken = None
@@ -435,7 +439,7 @@ class CpuBackend:
             raise BackendError("the cpu backend has no expert cache (cache_slots=0)")
         if not 0 <= slot < self.n_slots + self.n_lend:
             raise BackendError(f"load_expert: slot {slot} of {self.n_slots + self.n_lend}")
-        if self._taken is not None and slot >= self._taken:
+        if self._taken is not None and self._taken[slot]:
             raise BackendError(f"load_expert: slot {slot} is lent to the cache between batched steps and taken "
                                f"back by the step in flight")
         if not (0 <= layer < self.cfg.n_layer and 0 <= expert < self.cfg.n_expert):

@@ -533,23 +533,23 @@ class VramCache:
                     break
                 yield il, e, slot
 
-    def withdraw(self, first: int, n: int) -> list[tuple[int, int]]:
-        """Slots first .. first + n - 1 leave the cache until restore() (a streamed step writes the backend's stream
-        buffers, which the cache holds between such steps): their experts are dropped, returned as (layer,
-        expert), and place() never picks those slots meanwhile."""
-        gone = [k for k, (slot, _) in self._lru.items() if first <= slot < first + n]
+    def withdraw(self, slots) -> list[tuple[int, int]]:
+        """These slots leave the cache until restore() (a step of several rows writes them: the backend's stream
+        buffers and batched activations, which the cache holds between such steps): their experts are dropped,
+        returned as (layer, expert), and place() never picks those slots meanwhile."""
+        out = {int(s) for s in slots}
+        gone = [k for k, (slot, _) in self._lru.items() if slot in out]
         for k in gone:
             self.bytes -= self._lru.pop(k)[1]
-        self._free = [slot for slot in self._free if not first <= slot < first + n]
-        self._out = (first, n)
+        self._free = [slot for slot in self._free if slot not in out]
+        self._out = sorted(out)
         return gone
 
     def restore(self) -> None:
-        """The withdrawn slots are free again, taken after every other free slot (a streamed step takes them
-        back, so the cache fills them last)."""
+        """The withdrawn slots are free again, taken after every other free slot (the next step of several rows
+        takes them back, so the cache fills them last)."""
         if self._out is not None:
-            first, n = self._out
-            self._free[:0] = range(first + n - 1, first - 1, -1)
+            self._free[:0] = self._out[::-1]
             self._out = None
 
     def hit_rate(self) -> float:

@@ -855,9 +855,9 @@ class Scheduler:
         stream = self._streams(step)
         lent = bool(self.lent) and step.T > 1
         if lent:                # what the step writes of the lent slots leaves the cache for it (Backend.lent_slots)
-            taken = self.backend.take_lent(stream)
-            if taken:
-                self.cache.withdraw(self.cache.slots - taken, taken)
+            taken = self.backend.take_lent(stream, step.T)
+            if len(taken):
+                self.cache.withdraw(taken)
         try:
             return await self._forward_layers(step, reads, st, stream)
         finally:
