@@ -555,6 +555,25 @@ def test_scheduler_batched_prefill(case):
     _check(f"{spec.name} scheduler batched", out, ref)
 
 
+async def _mapped_chunks_mapped(sched, be, tokens, chunk: int):
+    """Every blob held (one-row steps run mapped), then: 6 mapped tokens (promotions fill the cache), the whole
+    sequence afresh in chunks of `chunk` rows, the 6 mapped tokens again (promotions refill what the chunks took).
+    Returns their logits and the backend's slot map after the first tokens and after the chunks."""
+    import asyncio
+    cfg = sched.cfg
+    for il in range(cfg.n_layer):
+        for e in range(cfg.n_expert):
+            await asyncio.wrap_future(sched.store.fetch(il, e))
+    head = await sched.score(tokens[:6])
+    cached = dict(be._slot_of)
+    sched.step_tokens = sched.logit_rows = chunk
+    rest = await sched.score(tokens)
+    after = dict(be._slot_of)
+    sched.step_tokens = sched.logit_rows = 1
+    again = await sched.score(tokens[:6])
+    return head, rest, again, cached, after
+
+
 def test_scheduler_streamed_prefill(case, monkeypatch):
     """Experts on the host, prompt chunks streamed (stream_experts="always"): every expert a layer lacks copied into
     the stream buffers (or free cache slots) while the layer before runs, the cache's experts (filled by mapped
@@ -602,16 +621,7 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
             sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts=mode,
                                                     map_experts="always"))
             try:
-                for il in range(cfg.n_layer):                     # every blob held: one-row steps run mapped
-                    for e in range(cfg.n_expert):
-                        await asyncio.wrap_future(sched.store.fetch(il, e))
-                head = await sched.score(tokens[:6])              # mapped tokens: promotions fill the cache
-                cached = dict(be._slot_of)
-                sched.step_tokens = sched.logit_rows = 24
-                rest = await sched.score(tokens)                  # a fresh sequence, in chunks of 24
-                after = dict(be._slot_of)
-                sched.step_tokens = sched.logit_rows = 1
-                again = await sched.score(tokens[:6])             # mapped again, promotions refill the buffers
+                head, rest, again, cached, after = await _mapped_chunks_mapped(sched, be, tokens, 24)
                 refilled = any(s >= be.n_slots for s in be._slot_of.values())
                 return head, rest, again, cached, after, refilled
             finally:
@@ -651,8 +661,9 @@ def test_scheduler_streamed_prefill(case, monkeypatch):
 def test_batched_step_writes_only_what_it_takes_back(case, experts):
     """A step of few rows takes back only the activations' slots its bucket touches (BatchPath.touched): so it must
     write nothing else. Every byte of the section outside a 16-row bucket's ranges set to a pattern, a 10-row step
-    (and a 1-row step after it; experts in VRAM, or on the host with their parts copied in) leave them as they were, and its logits match transformers; the slots taken back for
-    the small bucket are fewer than for the largest, and every slot it leaves lent lies outside its ranges."""
+    (and a 1-row step after it; experts in VRAM, or on the host with their parts copied in) leave them as they
+    were, and its logits match transformers; the slots taken back for the small bucket are fewer than for the
+    largest, and every slot it leaves lent lies outside its ranges."""
     from strata.cuda.arena import DevArray
     spec, model, tokens, ref = case
     if spec.name != "grouped":
@@ -694,10 +705,10 @@ def test_batched_step_writes_only_what_it_takes_back(case, experts):
 def test_scheduler_lent_activations(case):
     """Experts on the host, a cache too small for stream buffers: the batched step's activations (the slots after
     the cache's own, in the same buffer) are the cache's between steps of several rows. Mapped one-row steps
-    promote experts into them; a split chunk (stream_experts="never") takes them back first (their experts leave
-    the cache, nothing is loaded into them while it runs), finds them zeroed after experts, and gives every position as
-    transformers does; mapped tokens after it refill them and give the first tokens' logits bit for bit; a
-    batched step begun while experts sit in them is refused."""
+    promote experts into them; a split chunk (stream_experts="never") takes back those its rows touch (their
+    experts leave the cache, the others' stay, nothing is loaded into them while it runs), finds those that held
+    experts zeroed, and gives every position as transformers does; mapped tokens after it refill them and give
+    the first tokens' logits bit for bit; a batched step begun while experts sit in them is refused."""
     import asyncio
 
     from strata.cuda.arena import DevArray
@@ -736,16 +747,7 @@ def test_scheduler_lent_activations(case):
         sched = Scheduler(model, be, HostConfig(vram_budget_bytes=budget, step_tokens=1, stream_experts="never",
                                                 map_experts="always"))
         try:
-            for il in range(cfg.n_layer):                     # every blob held: one-row steps run mapped
-                for e in range(cfg.n_expert):
-                    await asyncio.wrap_future(sched.store.fetch(il, e))
-            head = await sched.score(tokens[:6])              # mapped tokens: promotions fill the cache
-            cached = dict(be._slot_of)
-            sched.step_tokens = sched.logit_rows = 8
-            rest = await sched.score(tokens)                  # a fresh sequence, in chunks of 8
-            after = dict(be._slot_of)
-            sched.step_tokens = sched.logit_rows = 1
-            again = await sched.score(tokens[:6])             # mapped again, promotions refill the activations
+            head, rest, again, cached, after = await _mapped_chunks_mapped(sched, be, tokens, 8)
             refilled = dict(be._slot_of)
             seq = be.new_seq()
             try:
