@@ -130,6 +130,8 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
 
 
 TOP_P_FIRST = 1024      # tokens ordered before the whole vocabulary is: a trained model's top_p set is far smaller
+TOP_P_FLOOR = 1e-4      # first try the tokens within this factor of the most probable: one pass, no partition
+TOP_P_FLOOR_MAX = 8192  # ... if they are this few
 PICK_BLOCK = 512        # tokens a block of Sampler._pick's two-level cumulative mass
 
 
@@ -140,6 +142,16 @@ def _top_p_prefix(probs: np.ndarray, top_p: float) -> np.ndarray:
     their mass is under top_p (a flat distribution) is the rest found by _top_p_by_bins, without sorting the
     vocabulary."""
     n, m = probs.size, TOP_P_FIRST
+    if m < n:
+        # every token at least a floor under the top: if their mass reaches top_p the set is among them, and they
+        # are ordered as any candidate set of all tokens above a threshold is, so the result is the same as the
+        # partition's below, without its pass over the vocabulary (1 of 3 ms of a peaked token on the 2-vCPU VM)
+        cand = np.flatnonzero(probs >= probs.max() * TOP_P_FLOOR)
+        if cand.size <= TOP_P_FLOOR_MAX:
+            order = cand[np.argsort(-probs[cand], kind="stable")]
+            mass = np.cumsum(probs[order])
+            if mass[-1] >= top_p:
+                return np.sort(order[mass - probs[order] < top_p])
     if m >= n:
         cand = np.arange(n)
     else:

@@ -148,11 +148,12 @@ def test_stop_and_stop_ids_are_normalized():
 
 
 def test_top_p_set_is_the_full_sorts():
-    """The top_p set built from the most probable 1024 tokens first (strata.sampling._top_p_prefix) equals the
-    definition over the whole stably sorted vocabulary, ties and flat distributions included."""
-    from strata.sampling import TOP_P_FIRST, _top_p_prefix
+    """The top_p set built from the tokens within TOP_P_FLOOR of the top, else the most probable 1024 tokens first
+    (strata.sampling._top_p_prefix), equals the definition over the whole stably sorted vocabulary, ties and flat
+    distributions included; each of the three ways ran."""
+    from strata.sampling import TOP_P_FIRST, TOP_P_FLOOR, TOP_P_FLOOR_MAX, _top_p_prefix
     rng = np.random.default_rng(5)
-    flat = 0
+    flat = floor = 0
     for trial in range(200):
         n = int(rng.integers(2, 6 * TOP_P_FIRST))
         z = rng.standard_normal(n) * rng.choice([0.05, 1.0, 5.0, 30.0])
@@ -165,7 +166,18 @@ def test_top_p_set_is_the_full_sorts():
         want = np.sort(order[np.cumsum(p[order]) - p[order] < top_p])
         assert np.array_equal(_top_p_prefix(p, top_p), want), (trial, n, top_p)
         flat += len(want) > TOP_P_FIRST
-    assert flat > 10                                            # the flat distributions' path ran too
+        near = p >= p.max() * TOP_P_FLOOR
+        floor += n > TOP_P_FIRST and near.sum() <= TOP_P_FLOOR_MAX and p[near].sum() >= top_p * (1 + 1e-9)
+    assert flat > 10 and floor > 10                             # the flat distributions' and the floor's paths
+    n = 248_320                  # past the floor's count but the top 1024's mass reaching top_p: the partition's
+    p = np.full(n, 2.5e-6)
+    p[rng.choice(n, TOP_P_FIRST, replace=False)] = rng.uniform(4e-4, 6e-4, TOP_P_FIRST)
+    p /= p.sum()
+    near = p >= p.max() * TOP_P_FLOOR
+    assert near.sum() > TOP_P_FLOOR_MAX and np.sort(p)[-TOP_P_FIRST:].sum() > 0.3
+    order = np.argsort(-p, kind="stable")
+    want = np.sort(order[np.cumsum(p[order]) - p[order] < 0.3])
+    assert np.array_equal(_top_p_prefix(p, 0.3), want)
     z = rng.standard_normal(248_320) / 0.7                      # the flash vocabulary, flat: most of it is kept
     p = np.exp(z - z.max())
     p /= p.sum()
