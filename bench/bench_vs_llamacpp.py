@@ -403,7 +403,7 @@ def main() -> None:
                    help="strata's HostConfig.step_tokens on the GPU configurations: rows a prompt step carries at most "
                         "(default: the engine's, 4096 with every weight in VRAM, else 512) "
                         "(under the 24 GiB budget a chunk's expert streaming is the same for any length, so longer "
-                        "chunks amortize it; their activations, 3.6 GiB at 4096 rows for flash, are cache slots "
+                        "chunks amortize it; their activations, 5.8 GB at 4096 rows for flash, are cache slots "
                         "between batched steps)")
     p.add_argument("--map-experts", default="auto", choices=["auto", "always", "never"],
                    help="budget24: strata's HostConfig.map_experts (decode rows as one graph, misses read from host "

@@ -14,13 +14,12 @@ base=${BASE:?BASE=<folder of the other tree>}
 mkdir -p models "$base/models"
 make_pid=
 if [ ! -f "$model" ]; then
-    python3 cli.py make-model "$model" --preset flash --ple-base 2000000 --routing realistic --threads 12 \
-        > "$out/make_model.log" 2>&1 &
+    make_flash "$model"
     make_pid=$!
 fi
-if [ -n "${TESTS-streamed or mapped or scheduler or lent or host_cache}" ]; then
-    python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py \
-        -k "${TESTS-streamed or mapped or scheduler or lent or host_cache}" > "$out/gpu_tests.log" 2>&1
+tests=${TESTS-streamed or mapped or scheduler or lent or host_cache or writes_only}
+if [ -n "$tests" ]; then
+    python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py -k "$tests" > "$out/gpu_tests.log" 2>&1
     grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
 fi
 if [ -n "$make_pid" ]; then

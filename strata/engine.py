@@ -63,7 +63,7 @@ class Chunk:
 
 def step_tokens(host: HostConfig, cuda_experts: str) -> int:
     """The CUDA backend's largest step: HostConfig.step_tokens, or by default 4096 rows (STEP_TOKENS_VRAM), with
-    every weight in VRAM and under a budget alike. Under the 24 GiB budget a 4096-row step's activations (3.6 GiB
+    every weight in VRAM and under a budget alike. Under the 24 GiB budget a 4096-row step's activations (5.8 GB
     for flash) are expert cache slots between batched steps (CudaBackend.lent_slots), and it measured 2.3x the
     prefill of 512-row steps at 4K (each chunk streams a layer's experts once, whatever its rows; bench/RESULTS.md,
     2026-12-02); where the budget cannot hold them beside the weights, make_backend falls back to 512."""

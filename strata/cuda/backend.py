@@ -457,8 +457,8 @@ class CudaBackend:
         # one slot even with none to hand out: the job tables need a valid base (every slot id is then -1)
         n_all = max(self.n_slots + 2 * self.n_stream, 1)
         # and so are the batched step's activations, as the slots after the stream buffers (slot ids n_all ..):
-        # ~3.6 GiB at flash's 4096-row steps, rewritten by every batched step and idle while tokens decode.
-        # bench/sim_cache.py: 77.8 -> 86.3% hits under 24 GiB (bench/RESULTS.md "sixteenth session")
+        # 4,234 slots (5.8 GB) at flash's 4096-row steps under 24 GiB, rewritten by every batched step and idle
+        # while tokens decode (hits 76.3 -> 86.6-86.8% on the H200, bench/RESULTS.md "sixteenth session")
         self.n_lend_act = 0
         if self.n_slots and self.n_lend == 2 * self.n_stream:
             self.n_lend_act = max(0, min(act_bytes // self.slot_bytes, unheld - self.n_lend))

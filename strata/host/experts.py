@@ -435,7 +435,7 @@ class VramCache:
         self.bytes = 0
         self._lru: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()   # (layer, expert) -> (slot, bytes)
         self._free = list(range(slots - 1, -1, -1))      # popped from the end: the lowest slot first
-        self._out: tuple[int, int] | None = None          # withdrawn slots (first, count)
+        self._out: list[int] | None = None                # withdrawn slots, ascending
         self.lookups: dict[int, int] = defaultdict(int)
         self.hits: dict[int, int] = defaultdict(int)
         self.uploads = 0

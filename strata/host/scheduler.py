@@ -76,7 +76,7 @@ MODE_RETRY = 32            # every this many choices between two measured modes 
                            # costlier is measured again (a first measurement on a cold cache must not decide for good)
 STEP_TOKENS = 512          # rows a step carries at most, by default (HostConfig.step_tokens = None) ...
 STEP_TOKENS_VRAM = 4096    # ... and on CUDA: a 4096-row chunk's graph runs ~2x the rows per second of a 512-row
-                           # one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py); under a budget its 3.6 GiB
+                           # one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py); under a budget its 5.8 GB
                            # of activations (flash) are cache slots between batched steps (lent_slots), and a 4K
                            # prompt prefilled 2.3x faster (each chunk streams every layer's experts once)
 RAMP_FIRST = 512           # where PLE rows are read from the file, a prompt's first chunk at most this many rows;
