@@ -24,8 +24,8 @@ import numpy as np
 
 from strata.host.backend import Backend, BudgetTooSmall, CpuBackend
 from strata.host.direct_io import ram_bytes
-from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError, Finished, HostConfig,
-                                   PollPolicy, Progress, Scheduler, Timings, TokenOut)
+from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_BUDGET, STEP_TOKENS_VRAM, EngineClosed, EngineError,
+                                   Finished, HostConfig, PollPolicy, Progress, Scheduler, Timings, TokenOut)
 from strata.host.trace import Tracer
 from strata.model.loader import Model, load_model
 from strata.reference.model import RefModel, StageDump
@@ -62,14 +62,16 @@ class Chunk:
 
 
 def step_tokens(host: HostConfig, cuda_experts: str) -> int:
-    """The CUDA backend's largest step: HostConfig.step_tokens, or by default 4096 rows (STEP_TOKENS_VRAM), with
-    every weight in VRAM and under a budget alike. Under the 24 GiB budget a 4096-row step's activations (5.8 GB
-    for flash) are expert cache slots between batched steps (CudaBackend.lent_slots), and it measured 2.3x the
-    prefill of 512-row steps at 4K (each chunk streams a layer's experts once, whatever its rows; bench/RESULTS.md,
-    2026-12-02); where the budget cannot hold them beside the weights, make_backend falls back to 512."""
+    """The CUDA backend's largest step: HostConfig.step_tokens, or by default 4096 rows (STEP_TOKENS_VRAM) with
+    every weight in VRAM and 8192 (STEP_TOKENS_BUDGET) under a budget, where each chunk streams every layer's
+    experts once whatever its rows, so longer chunks amortize that (4096-row chunks measured 2.3x the prefill of
+    512-row ones at 4K, 8192-row ones 1.11x 4096-row ones at 32K: bench/RESULTS.md). Under a budget the step's
+    activations (5.8 GB for flash at 4096 rows) are expert cache slots between batched steps
+    (CudaBackend.lent_slots); where the budget cannot hold them beside the weights, make_backend halves the steps
+    down to 512 (STEP_TOKENS)."""
     if host.step_tokens is not None:
         return host.step_tokens
-    return STEP_TOKENS_VRAM
+    return STEP_TOKENS_BUDGET if cuda_experts == "host" else STEP_TOKENS_VRAM
 
 
 def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Backend:
@@ -107,14 +109,16 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
                                mapped_reads=host.mapped_reads, prefetch_extra=host.prefetch_extra, log=log)
         rows = step_tokens(host, experts)
         try:
-            try:
-                return open_cuda(rows)
-            except BudgetTooSmall:
-                if host.step_tokens is not None or rows <= STEP_TOKENS:
-                    raise
-                # the default's larger steps take activations the budget may not hold beside every weight
-                log(f"strata.cuda: steps of {rows} rows do not fit the budget; steps of {STEP_TOKENS}")
-                return open_cuda(STEP_TOKENS)
+            while True:
+                try:
+                    return open_cuda(rows)
+                except BudgetTooSmall:
+                    if host.step_tokens is not None or rows <= STEP_TOKENS:
+                        raise
+                    # the default's larger steps take activations the budget may not hold beside every weight
+                    smaller = max(STEP_TOKENS, rows // 2)
+                    log(f"strata.cuda: steps of {rows} rows do not fit the budget; trying steps of {smaller}")
+                    rows = smaller
         except CudaError as e:
             why = available()       # None: CUDA works and the failure is the backend's own
             if why is None:
