@@ -49,6 +49,7 @@ from strata.kernels import hc as khc
 from strata.kernels import moe as kmoe
 from strata.kernels import ple as kple
 from strata.kernels import qsa as kqsa
+from strata.kernels.build import define
 from strata.kernels.gemv import Job, device_row_bytes
 from strata.model.loader import Model
 from strata.quant.formats import QType, row_bytes
@@ -69,6 +70,9 @@ LOAD_STAGING = 4                                 # pinned buffers for load_exper
 PREFETCH_CTAS = 16
 COPY_WHAT = "expert %d.%d -> slot %d"            # an expert copy, in an error's message
 LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
+
+
+HC_DOWN_SLICES = 1
 
 
 class _Later:
@@ -163,6 +167,12 @@ class CudaBackend:
         if not 1 <= int(step_tokens) <= self.max_ctx:
             raise BackendError(f"CudaBackend: step_tokens={step_tokens}: 1 .. max_ctx ({self.max_ctx})")
         self.max_step_tokens = int(step_tokens)
+        # the hc reads' down projection and inject logits split over this many column ranges of their 10240 inputs
+        # (gemv.py Job.cols): more, smaller tiles for the GPU's SMs (320 rows of 2 a tile leave 32 SMs two tiles
+        # and 100 one); up_mix sums the parts
+        self.hc_slices = define("HC_DOWN_SLICES", HC_DOWN_SLICES)
+        if not 1 <= self.hc_slices <= 4:
+            raise BackendError(f"CudaBackend: HC_DOWN_SLICES={self.hc_slices}: 1 to 4 (a launch holds 8 jobs)")
         self.log = log
         cfg, W = self.cfg, model.weights
         self.dev = drv.Device.open()
@@ -317,7 +327,9 @@ class CudaBackend:
         self.b_ticket = R("route_ticket", (1,), np.uint32)  # moe_route's last-row ticket (left zeroed)
         self.b_R = R("R", (hc, E))                          # the residual streams
         self.b_xn = R("xn", (hc, E))                        # the current read's normalized streams
-        self.b_lo = R("lo", (cfg.hc_rank,))                 # gr_read's low-rank pre-activation
+        # gr_read's low-rank pre-activation and inject logits, as hc_slices partial sums over column ranges of xn
+        # (summed by up_mix)
+        self.b_lo = R("lo", (self.hc_slices, cfg.hc_rank + hc))
         self.b_inj_a = R("inject_attn", (hc,))              # raw inject logits of the attention half
         self.b_inj_f = R("inject_ffn", (hc,))               # ... and of the ffn half (read by post)
         self.b_mixed = R("mixed", (E,))                     # attention read: the mixer's input
@@ -628,9 +640,35 @@ class CudaBackend:
         cfg, K = self.cfg, self.kern
         E, hc, eps = cfg.n_embd, cfg.hc, cfg.rms_eps
 
-        def gemv(name: str, jobs: list[Job]) -> _Later:
+        def gemv(name: str, jobs: list[Job], ctas: int | None = None) -> _Later:
             table = kgemv.job_table(name + ".jobs", len(jobs), self.A.reserve)
-            return _Later(kgemv.gemv_launch, K.fn("gemv", "gemv_jobs"), name, table, jobs)
+            return _Later(kgemv.gemv_launch, K.fn("gemv", "gemv_jobs"), name, table, jobs, None, ctas)
+
+        # the hc reads' down projection: CTAs a multiprocessor (0: as many as fit). A bench variant
+        # (STRATA_KERNEL_DEFINES=HC_DOWN_PER_SM=1) leaves room beside it for up_mix's CTAs, which stage their
+        # weights before their launch wait.
+        per_sm = define("HC_DOWN_PER_SM", 0)
+        down_ctas = per_sm * self.dev.n_sm if per_sm else None
+
+        def hc_read(name: str, down, inject, up, mixed: DevArray, inj: DevArray | None) -> list[_Later]:
+            """gr_read after its norm: the down projection (and the inject logits) as hc_slices jobs of column
+            ranges each, then up_mix summing their parts."""
+            r = cfg.hc_rank
+            jobs = []
+            for m in (down, inject):
+                if m is None:
+                    continue
+                cols = [None] if self.hc_slices == 1 else kgemv.col_slices(m, self.hc_slices)
+                if len(cols) != self.hc_slices:
+                    raise BackendError(f"{name}: {m.n_in} columns do not split into {self.hc_slices} ranges "
+                                       f"(HC_DOWN_SLICES)")
+                for i, c in enumerate(cols):
+                    y = self.b_lo.row(i).view("down" if m is down else "inject", 0 if m is down else 4 * r,
+                                              (r if m is down else hc,), np.float32)
+                    jobs.append(Job(m, self.b_xn, y, cols=c))
+            return [gemv(name + ("_down_inject" if inject is not None else "_down"), jobs, down_ctas),
+                    _Later(partial(khc.up_mix_launch, inj=inj), K.fn("hc", "up_mix"), name + "_up_mix", up,
+                           self.b_lo, self.b_xn, mixed, hc, E)]
 
         L0 = self.L[0]
         first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
@@ -651,10 +689,8 @@ class CudaBackend:
                            d["ple_norm_conv"], d["ple_conv1d"], self.b_ple_hist, self.b_step)]))
             read = [_Later(khc.rms_group_launch, K.fn("hc", "rms_group"), p + "attn_norm", self.b_R,
                            d["hc_attn_norm"], self.b_xn, hc, E, eps)] if il in cfg.ple_layers else []
-            read += [gemv(p + "attn_down_inject", [Job(d["hc_attn_down"], self.b_xn, self.b_lo),
-                                                   Job(d["hc_attn_inject"], self.b_xn, self.b_inj_a)]),
-                     _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "attn_up_mix", d["hc_attn_up"], self.b_lo,
-                            self.b_xn, self.b_mixed, hc, E)]
+            read += hc_read(p + "attn", d["hc_attn_down"], d["hc_attn_inject"], d["hc_attn_up"], self.b_mixed,
+                            self.b_inj_a)
             st.append(("attn_read", read))
             if cfg.recurrent[il]:
                 mixer = [gemv(p + "gdn_proj", [Job(d["attn_qkv"], self.b_mixed, self.b_qkv),
@@ -687,10 +723,8 @@ class CudaBackend:
             st.append(("mixer", mixer))
             st.append(("attn_write", [_Later(khc.write_rms_launch, K.fn("hc", "write_rms"), p + "attn_write", self.b_R,
                                              self.b_inj_a, self.b_mix_out, d["hc_ffn_norm"], self.b_xn, hc, E, eps)]))
-            st.append(("ffn_read", [gemv(p + "ffn_down_inject", [Job(d["hc_ffn_down"], self.b_xn, self.b_lo),
-                                                                 Job(d["hc_ffn_inject"], self.b_xn, self.b_inj_f)]),
-                                    _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "ffn_up_mix", d["hc_ffn_up"],
-                                           self.b_lo, self.b_xn, self.b_x_ffn, hc, E)]))
+            st.append(("ffn_read", hc_read(p + "ffn", d["hc_ffn_down"], d["hc_ffn_inject"], d["hc_ffn_up"],
+                                            self.b_x_ffn, self.b_inj_f)))
             router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r)])
 
             def route(db, ids, il=il, p=p):
@@ -734,10 +768,8 @@ class CudaBackend:
                 post_m.append(post_of(self.expert_job_m[il], ids, self.b_ptab.row(il)))
                 if self.prefetch and il + 1 < cfg.n_layer:
                     pref.append(self._prefetch_plan(il + 1))
-        head = [gemv("output_down", [Job(self.w_out_down, self.b_xn, self.b_lo)]),
-                _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), "output_up_mix", self.w_out_up, self.b_lo, self.b_xn,
-                       self.b_mixed, hc, E),
-                gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
+        head = hc_read("output", self.w_out_down, None, self.w_out_up, self.b_mixed, None) + \
+            [gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
         self._plans = (begin, pre, pre_tok, post, post_m, pref, head)
 
     def _prefetch_plan(self, il: int) -> list[tuple[str, list]]:

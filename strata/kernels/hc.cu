@@ -69,10 +69,13 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix(const float* __restrict
 // A CTA takes G = blockDim / TPG consecutive e: the GEMV core with one row set per stream (rows s*E + e), so a
 // thread's lo reads serve the hc rows of its e. lo lives in shared memory after the tiles, zeros up to a multiple
 // of 8. hc <= 4.
+// lo_raw holds n_parts partial sums `stride` floats apart (the down projection split over its inputs: gemv.py
+// Job.cols), summed here in part order; each part's values r .. r + hc - 1 are the inject logits' partial sums,
+// which CTA 0 sums into inj when it is set.
 extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ up, int type, int row_bytes, int r,
-                                                         const float* __restrict__ lo_raw,
-                                                         const float* __restrict__ xn, float* mixed, int E, int hc,
-                                                         int geom) {
+                                                         const float* __restrict__ lo_raw, int n_parts, int stride,
+                                                         float* inj, const float* __restrict__ xn, float* mixed,
+                                                         int E, int hc, int geom) {
     __shared__ float red[4 * 8];
     const int tpg = geom_tpg(geom), G = blockDim.x / tpg;
     const int e0 = blockIdx.x * G, ne = min(G, E - e0);
@@ -88,7 +91,16 @@ extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ 
     stage_constant(R);       // the weights are constant: copied in before pdl_begin, as gemv_jobs does
     float* lo = (float*)(SMEM + end);
     const int rp = (r + 7) & ~7;
-    for (int i = threadIdx.x; i < rp; i += blockDim.x) lo[i] = i < r ? siluf_(lo_raw[i] / (float)hc) : 0.0f;
+    for (int i = threadIdx.x; i < rp; i += blockDim.x) {
+        float v = 0.0f;
+        for (int p = 0; p < n_parts && i < r; p++) v += lo_raw[(size_t)p * stride + i];
+        lo[i] = i < r ? siluf_(v / (float)hc) : 0.0f;
+    }
+    if (inj != nullptr && blockIdx.x == 0 && threadIdx.x < hc) {
+        float v = 0.0f;
+        for (int p = 0; p < n_parts; p++) v += lo_raw[(size_t)p * stride + r + threadIdx.x];
+        inj[threadIdx.x] = v;
+    }
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4];

@@ -90,16 +90,27 @@ def up_mix_geoms(rb: int, hc: int, E: int):
 
 
 def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mixed: DevArray, hc: int,
-                  E: int, geom=None) -> Launch:
-    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]. `geom` replaces up_mix_geometry's
-    pick (its RR must be hc: bench/gpu_check.py's sweep)."""
+                  E: int, geom=None, *, inj: DevArray | None = None) -> Launch:
+    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]. lo_raw is (r,), or (parts, r + hc)
+    when the down projection and the inject logits come as partial sums over column ranges (gemv.py Job.cols: the
+    parts are summed in order, the inject's into `inj`, which then must be given). `geom` replaces
+    up_mix_geometry's pick (its RR must be hc: bench/gpu_check.py's sweep)."""
     r = up.n_in
     if up.n_out != hc * E or up.qtype not in KERNEL_TYPES or up.row_bytes != device_row_bytes(up.qtype, r):
         raise ValueError(f"{name}: up matrix '{up.buf.name}' is {up.n_out}x{r} (type {up.qtype}), needs "
                          f"{hc * E} rows in a kernel format")
     if not 1 <= hc <= MAX_HC:
         raise ValueError(f"{name}: {hc} streams; up_mix takes at most {MAX_HC}")
-    need(lo_raw, name + " lo", r)
+    if lo_raw.shape == (r,):
+        n_parts, stride = 1, r
+    elif len(lo_raw.shape) == 2 and lo_raw.shape[1] == r + hc:
+        n_parts, stride = lo_raw.shape
+    else:
+        raise ValueError(f"{name}: lo '{lo_raw.name}' is {lo_raw.shape}, needs ({r},) or (parts, {r + hc})")
+    if inj is not None:
+        if stride != r + hc:
+            raise ValueError(f"{name}: inject logits come with the parts of lo, (parts, {r + hc})")
+        need(inj, name + " inject", hc)
     need(xn, name + " xn", hc * E)
     need(mixed, name + " mixed", E)
     g = geom or up_mix_geometry(up.qtype, r, up.row_bytes, hc, E)
@@ -108,4 +119,5 @@ def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mix
     ne = min(g.groups, E)
     smem = tile_smem(*([ne * up.row_bytes] * hc)) + (r + 7) // 8 * 8 * 4 + 16
     return Launch(fn, name, (-(-E // g.groups),), (g.nt,), smem,
-                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), P(xn), P(mixed), I(E), I(hc), I(g.word)])
+                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), I(n_parts), I(stride),
+                   P(inj), P(xn), P(mixed), I(E), I(hc), I(g.word)])
