@@ -11,6 +11,7 @@ compiled by g++ under tests/kernel_emu.h, so CI checks what every kernel file co
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -516,20 +517,23 @@ def test_up_mix_every_geometry(rig):
 
 
 @both_rigs
-@pytest.mark.parametrize("rows,hc,E", [(1, 4, 333), (3, 4, 2560), (2, 1, 40)])
-def test_write_rms(rig, rows, hc, E):
+@pytest.mark.parametrize("rows,hc,E,parts", [(1, 4, 333, 1), (3, 4, 2560, 1), (2, 1, 40, 1), (1, 4, 2560, 3)])
+def test_write_rms(rig, rows, hc, E, parts):
     """gr_write and the next norm over a cluster of CTAs a row: slices of E that do not divide evenly, several
-    rows, one stream, and slices shorter than a warp."""
-    rng = np.random.default_rng(3 + rows)
-    Rv, out = rng.standard_normal((rows, hc, E)).astype(F32), rng.standard_normal((rows, E)).astype(F32)
+    rows, one stream, and slices shorter than a warp; out as partial sums (the mixer's output projection split
+    over its inputs), added in part order."""
+    rng = np.random.default_rng(3 + rows + parts)
+    Rv, pv = rng.standard_normal((rows, hc, E)).astype(F32), rng.standard_normal((parts, rows, E)).astype(F32)
+    out = functools.reduce(np.add, pv)
     inj_raw = rng.standard_normal((rows, hc)).astype(F32)
     norm = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
     R = rig.buf("R", (rows, hc, E), value=Rv)
-    ib, ob, nb, xn = (rig.buf("inj", (rows, hc), value=inj_raw), rig.buf("out", (rows, E), value=out),
-                      rig.buf("norm", (hc, E), value=norm), rig.buf("xn", (rows, hc, E)))
+    ob = rig.buf("out", (parts, E) if parts > 1 else (rows, E), value=pv.reshape(-1, E))
+    ib, nb, xn = (rig.buf("inj", (rows, hc), value=inj_raw), rig.buf("norm", (hc, E), value=norm),
+                  rig.buf("xn", (rows, hc, E)))
     rig.commit()
     rig.poison(xn)
-    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6, rows))
+    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6, rows, parts))
     inject = (2 / (1 + np.exp(-inj_raw / hc))).astype(F32)
     Rn = gr_write(Rv, inject, out)
     assert rel(R.download(), Rn) <= TOL

@@ -25,6 +25,7 @@ gives the eager launch sequence's bits.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -73,6 +74,7 @@ LOAD_EVENTS = 64                                 # posts whose expert loads may 
 
 
 HC_DOWN_SLICES = 1
+MIX_OUT_SLICES = 1
 
 
 class _Later:
@@ -173,6 +175,11 @@ class CudaBackend:
         self.hc_slices = define("HC_DOWN_SLICES", HC_DOWN_SLICES)
         if not 1 <= self.hc_slices <= 4:
             raise BackendError(f"CudaBackend: HC_DOWN_SLICES={self.hc_slices}: 1 to 4 (a launch holds 8 jobs)")
+        # ... and the mixers' output projections (ssm_out, attn_output: 2560 x 6144, 320 tiles of 8 rows on the
+        # ring's 264 CTAs), write_rms adding the parts
+        self.mix_slices = define("MIX_OUT_SLICES", MIX_OUT_SLICES)
+        if not 1 <= self.mix_slices <= 8:
+            raise BackendError(f"CudaBackend: MIX_OUT_SLICES={self.mix_slices}: 1 to 8 (a launch holds 8 jobs)")
         self.log = log
         cfg, W = self.cfg, model.weights
         self.dev = drv.Device.open()
@@ -333,7 +340,7 @@ class CudaBackend:
         self.b_inj_a = R("inject_attn", (hc,))              # raw inject logits of the attention half
         self.b_inj_f = R("inject_ffn", (hc,))               # ... and of the ffn half (read by post)
         self.b_mixed = R("mixed", (E,))                     # attention read: the mixer's input
-        self.b_mix_out = R("mixer_out", (E,))
+        self.b_mix_out = R("mixer_out", (self.mix_slices, E))     # partial sums over column ranges (write_rms adds)
         self.b_x_ffn = R("x_ffn", (E,))                     # ffn read: the MoE input
         self.b_logits_r = R("router_logits", (cfg.n_expert,))
         self.b_sg = R("shexp_gate", (1,))                   # shared expert gate logit
@@ -650,31 +657,37 @@ class CudaBackend:
         per_sm = define("HC_DOWN_PER_SM", 0)
         down_ctas = per_sm * self.dev.n_sm if per_sm else None
 
+        def slices(mats: list, n: int) -> list[list]:
+            """Each matrix's columns as the same number of ranges, n at most (fewer where a row has fewer
+            blocks); [[None]] each at 1: whole rows."""
+            n = min([n] + [len(kgemv.col_slices(m, n)) for m in mats])
+            return [[None] if n == 1 else kgemv.col_slices(m, n) for m in mats]
+
+        def mix_out_jobs(m, x: DevArray) -> list[Job]:
+            """The mixer's output projection as up to mix_slices jobs of column ranges (write_rms adds them)."""
+            return [Job(m, x, self.b_mix_out.row(i), cols=c) for i, c in enumerate(slices([m], self.mix_slices)[0])]
+
         def hc_read(name: str, down, inject, up, mixed: DevArray, inj: DevArray | None) -> list[_Later]:
-            """gr_read after its norm: the down projection (and the inject logits) as hc_slices jobs of column
-            ranges each, then up_mix summing their parts."""
+            """gr_read after its norm: the down projection (and the inject logits) as up to hc_slices jobs of
+            column ranges each, then up_mix summing their parts."""
             r = cfg.hc_rank
+            mats = [m for m in (down, inject) if m is not None]
             jobs = []
-            for m in (down, inject):
-                if m is None:
-                    continue
-                cols = [None] if self.hc_slices == 1 else kgemv.col_slices(m, self.hc_slices)
-                if len(cols) != self.hc_slices:
-                    raise BackendError(f"{name}: {m.n_in} columns do not split into {self.hc_slices} ranges "
-                                       f"(HC_DOWN_SLICES)")
+            for m, cols in zip(mats, slices(mats, self.hc_slices)):
                 for i, c in enumerate(cols):
                     y = self.b_lo.row(i).view("down" if m is down else "inject", 0 if m is down else 4 * r,
                                               (r if m is down else hc,), np.float32)
                     jobs.append(Job(m, self.b_xn, y, cols=c))
             return [gemv(name + ("_down_inject" if inject is not None else "_down"), jobs, down_ctas),
-                    _Later(partial(khc.up_mix_launch, inj=inj), K.fn("hc", "up_mix"), name + "_up_mix", up,
-                           self.b_lo, self.b_xn, mixed, hc, E)]
+                    _Later(partial(khc.up_mix_launch, inj=inj, parts=len(jobs) // len(mats)), K.fn("hc", "up_mix"),
+                           name + "_up_mix", up, self.b_lo, self.b_xn, mixed, hc, E)]
 
         L0 = self.L[0]
         first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
         begin = [_Later(kgemv.embed_launch, K.fn("gemv", "embed_rms"), "embed", self.w_embd, self.b_step, self.b_R,
                         first_norm, self.b_xn, hc, eps)]
         pre, pre_tok, post, post_m, pref = [], [], [], [], []
+        self.mix_parts: list[int] = []                 # each layer's mixer output parts (write_rms adds them)
         for il in range(cfg.n_layer):
             d, s, p = self.L[il], self.S[il], f"blk.{il}."
             st: list[tuple[str, list]] = []
@@ -692,6 +705,9 @@ class CudaBackend:
             read += hc_read(p + "attn", d["hc_attn_down"], d["hc_attn_inject"], d["hc_attn_up"], self.b_mixed,
                             self.b_inj_a)
             st.append(("attn_read", read))
+            out_jobs = mix_out_jobs(d["ssm_out" if cfg.recurrent[il] else "attn_output"],
+                                    self.b_y if cfg.recurrent[il] else self.b_att)
+            self.mix_parts.append(len(out_jobs))
             if cfg.recurrent[il]:
                 mixer = [gemv(p + "gdn_proj", [Job(d["attn_qkv"], self.b_mixed, self.b_qkv),
                                                Job(d["attn_gate"], self.b_mixed, self.b_z),
@@ -700,7 +716,7 @@ class CudaBackend:
                          _Later(kgdn.gdn_core_launch, K.fn("gdn", "gdn_core"), p + "gdn_core", cfg, self.b_qkv,
                                 self.b_z, self.b_alpha, self.b_beta, d["ssm_conv1d"], d["ssm_dt"], d["ssm_a"],
                                 d["ssm_norm"], s["ring"], s["S"], self.b_y, self.b_step),
-                         gemv(p + "ssm_out", [Job(d["ssm_out"], self.b_y, self.b_mix_out)])]
+                         gemv(p + "ssm_out", out_jobs)]
             else:
                 mixer = [gemv(p + "qsa_proj", [Job(d["attn_q"], self.b_mixed, self.b_qg),
                                                Job(d["attn_k"], self.b_mixed, self.b_kr),
@@ -719,10 +735,11 @@ class CudaBackend:
                                 s["Vc"], self.b_sel, self.b_meta, self.b_part, self.b_step, self.max_ctx, self.nsplit),
                          _Later(kqsa.combine_launch, K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.b_part,
                                 self.b_qg, self.b_att, self.nsplit, self.b_step),
-                         gemv(p + "attn_output", [Job(d["attn_output"], self.b_att, self.b_mix_out)])]
+                         gemv(p + "attn_output", out_jobs)]
             st.append(("mixer", mixer))
             st.append(("attn_write", [_Later(khc.write_rms_launch, K.fn("hc", "write_rms"), p + "attn_write", self.b_R,
-                                             self.b_inj_a, self.b_mix_out, d["hc_ffn_norm"], self.b_xn, hc, E, eps)]))
+                                             self.b_inj_a, self.b_mix_out, d["hc_ffn_norm"], self.b_xn, hc, E, eps, 1,
+                                             len(out_jobs))]))
             st.append(("ffn_read", hc_read(p + "ffn", d["hc_ffn_down"], d["hc_ffn_inject"], d["hc_ffn_up"],
                                             self.b_x_ffn, self.b_inj_f)))
             router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r)])
@@ -1084,7 +1101,10 @@ class CudaBackend:
             g = self.b_gpu_parts.download()
             seq.dump.put(seq.pos, layer, stage, g if seq.mask.all() else np.where(seq.mask[:, None], g, seq.parts))
             return
-        seq.dump.put(seq.pos, layer, stage, value[stage].download())
+        v = value[stage].download()
+        if stage == "mixer":            # the partial sums, added in write_rms's order
+            v = functools.reduce(np.add, v.reshape(self.mix_slices, -1)[:self.mix_parts[layer]])
+        seq.dump.put(seq.pos, layer, stage, v)
         if stage == "combine":
             seq.dump.put(seq.pos, layer, "ffn_write", self.b_R.download())
 

@@ -22,7 +22,7 @@ OPTIONS = ("-std=c++17", "-lineinfo")
 
 # $STRATA_KERNEL_DEFINES names that change only how the backend plans its launches (read by `define`), never a
 # source: left out of the compile options, so that a bench variant of them reuses the built kernels
-LAUNCH_ONLY = frozenset(("HC_DOWN_SLICES", "HC_DOWN_PER_SM"))
+LAUNCH_ONLY = frozenset(("HC_DOWN_SLICES", "HC_DOWN_PER_SM", "MIX_OUT_SLICES"))
 
 
 def options() -> tuple[str, ...]:

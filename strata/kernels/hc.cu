@@ -14,11 +14,12 @@ extern "C" __global__ void __launch_bounds__(1024) rms_group(const float* __rest
 
 // R[s] += inject_s * out with inject_s = 2 sigmoid(inj_raw[s] / hc) (gr_write), then xn[s] = RMSNorm(R[s]) * w[s]
 // (the next gr_read's norm); grid (hc, rows): R, xn (rows, hc, E), inj_raw (rows, hc), out (rows, E). A thread's
-// elements stay in its registers (load_own; E <= RMS_BATCH * 1024).
+// elements stay in its registers (load_own; E <= RMS_BATCH * 1024). out holds n_parts partial sums `stride` floats
+// apart (the mixer's output projection split over its inputs: gemv.py Job.cols), added in part order.
 extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const float* __restrict__ inj_raw,
-                                                             const float* __restrict__ out,
-                                                             const float* __restrict__ w, float* xn, int E, int hc,
-                                                             float eps) {
+                                                             const float* __restrict__ out, int n_parts,
+                                                             int stride, const float* __restrict__ w, float* xn,
+                                                             int E, int hc, float eps) {
     __shared__ float red[33];
     const int s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     float wv[RMS_BATCH], a[RMS_BATCH], b[RMS_BATCH];
@@ -29,6 +30,12 @@ extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const flo
     const float inj_r = inj_raw[row * hc + s];
     load_own(r, E, tid, nt, a);
     load_own(out + (size_t)row * E, E, tid, nt, b);
+    for (int p = 1; p < n_parts; p++) {
+        float c[RMS_BATCH];
+        load_own(out + (size_t)p * stride + (size_t)row * E, E, tid, nt, c);
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) b[u] += c[u];
+    }
     const float inj = 2.0f * sigmoidf_(inj_r / (float)hc);
     float ss = 0.0f;
 #pragma unroll
