@@ -25,10 +25,9 @@ gives the eager launch sequence's bits.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
-from functools import partial, wraps
+from functools import partial, reduce, wraps
 
 import numpy as np
 
@@ -73,6 +72,9 @@ COPY_WHAT = "expert %d.%d -> slot %d"            # an expert copy, in an error's
 LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
 
 
+# column ranges of the hc reads' down projection and of the mixers' output projection (gemv.py Job.cols; bench
+# variants: STRATA_KERNEL_DEFINES=HC_DOWN_SLICES=n / MIX_OUT_SLICES=n): whole rows until a same-call timing of
+# the token says otherwise (bench/gpu_variants.sh)
 HC_DOWN_SLICES = 1
 MIX_OUT_SLICES = 1
 
@@ -1103,7 +1105,7 @@ class CudaBackend:
             return
         v = value[stage].download()
         if stage == "mixer":            # the partial sums, added in write_rms's order
-            v = functools.reduce(np.add, v.reshape(self.mix_slices, -1)[:self.mix_parts[layer]])
+            v = reduce(np.add, v.reshape(self.mix_slices, -1)[:self.mix_parts[layer]])
         seq.dump.put(seq.pos, layer, stage, v)
         if stage == "combine":
             seq.dump.put(seq.pos, layer, "ffn_write", self.b_R.download())
