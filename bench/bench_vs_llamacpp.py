@@ -401,7 +401,7 @@ def main() -> None:
     p.add_argument("--ncmoe", default="48,40,32,28,24", help="budget24: the --n-cpu-moe values swept")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="strata's HostConfig.step_tokens on the GPU configurations: rows a prompt step carries at most "
-                        "(default: the engine's, 4096 with every weight in VRAM, 8192 under a budget) "
+                        "(default: the engine's, 4096) "
                         "(under the 24 GiB budget a chunk's expert streaming is the same for any length, so longer "
                         "chunks amortize it; their activations, 5.8 GB at 4096 rows for flash, are cache slots "
                         "between batched steps)")

@@ -24,7 +24,7 @@ import numpy as np
 
 from strata.host.backend import Backend, BudgetTooSmall, CpuBackend
 from strata.host.direct_io import ram_bytes
-from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_BUDGET, STEP_TOKENS_VRAM, EngineClosed, EngineError,
+from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError,
                                    Finished, HostConfig, PollPolicy, Progress, Scheduler, Timings, TokenOut)
 from strata.host.trace import Tracer
 from strata.model.loader import Model, load_model
@@ -63,15 +63,15 @@ class Chunk:
 
 def step_tokens(host: HostConfig, cuda_experts: str) -> int:
     """The CUDA backend's largest step: HostConfig.step_tokens, or by default 4096 rows (STEP_TOKENS_VRAM) with
-    every weight in VRAM and 8192 (STEP_TOKENS_BUDGET) under a budget, where each chunk streams every layer's
-    experts once whatever its rows, so longer chunks amortize that (4096-row chunks measured 2.3x the prefill of
-    512-row ones at 4K, 8192-row ones 1.11x 4096-row ones at 32K: bench/RESULTS.md). Under a budget the step's
-    activations (5.8 GB for flash at 4096 rows) are expert cache slots between batched steps
-    (CudaBackend.lent_slots); where the budget cannot hold them beside the weights, make_backend halves the steps
-    down to 512 (STEP_TOKENS)."""
+    every weight in VRAM and under a budget alike. Under a budget each chunk streams every layer's experts once
+    whatever its rows (4096-row chunks measured 2.3x the prefill of 512-row ones at 4K, bench/RESULTS.md
+    2026-12-02), and the step's activations (5.8 GB for flash) are expert cache slots between batched steps
+    (CudaBackend.lent_slots); 8192-row steps prefill long prompts faster and cost short ones and the decode after
+    a long one (scheduler.py STEP_TOKENS_VRAM). Where the budget cannot hold the activations beside the weights,
+    make_backend halves the steps down to 512 (STEP_TOKENS)."""
     if host.step_tokens is not None:
         return host.step_tokens
-    return STEP_TOKENS_BUDGET if cuda_experts == "host" else STEP_TOKENS_VRAM
+    return STEP_TOKENS_VRAM
 
 
 def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Backend:

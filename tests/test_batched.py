@@ -216,13 +216,12 @@ async def test_own_failure_ends_only_that_request(tiny_gguf, monkeypatch):
 
 @pytest.mark.asyncio
 async def test_default_step_tokens(tiny_gguf):
-    """HostConfig.step_tokens=None: 4096 rows for a CUDA backend with every weight in VRAM (its chunks run ~2x the
-    rows per second of 512-row ones), 8192 under a budget (each chunk streams every expert once), 512 on the CPU; a
-    number given is used as it is."""
+    """HostConfig.step_tokens=None: 4096 rows for a CUDA backend, with every weight in VRAM or under a budget (its
+    chunks run ~2x the rows per second of 512-row ones), 512 on the CPU; a number given is used as it is."""
     from strata.engine import step_tokens
-    from strata.host.scheduler import STEP_TOKENS, STEP_TOKENS_BUDGET, STEP_TOKENS_VRAM
-    assert (STEP_TOKENS, STEP_TOKENS_VRAM, STEP_TOKENS_BUDGET) == (512, 4096, 8192)
-    assert step_tokens(HostConfig(), "vram") == 4096 and step_tokens(HostConfig(), "host") == 8192
+    from strata.host.scheduler import STEP_TOKENS, STEP_TOKENS_VRAM
+    assert (STEP_TOKENS, STEP_TOKENS_VRAM) == (512, 4096)
+    assert step_tokens(HostConfig(), "vram") == 4096 and step_tokens(HostConfig(), "host") == 4096
     assert step_tokens(HostConfig(step_tokens=96), "vram") == 96
     with pytest.raises(ValueError, match="at least one token"):
         HostConfig(step_tokens=0)
@@ -253,9 +252,8 @@ async def test_prompt_chunks_ramp_up(tiny_gguf, tmp_path, monkeypatch):
 
 
 def test_default_step_falls_back_when_the_budget_is_short(tiny_gguf, monkeypatch):
-    """The CUDA default steps (4096 rows with every weight in VRAM, 8192 under a budget): while those steps'
-    activations do not fit the budget the backend is opened again with steps half as long, down to 512; a step
-    size the user gave is not second-guessed."""
+    """The CUDA default of 4096-row steps: while those steps' activations do not fit the budget the backend is
+    opened again with steps half as long, down to 512; a step size the user gave is not second-guessed."""
     import strata.cuda.backend as cb
     from strata.engine import make_backend
     from strata.host.backend import BudgetTooSmall
@@ -274,14 +272,14 @@ def test_default_step_falls_back_when_the_budget_is_short(tiny_gguf, monkeypatch
     be = make_backend("cuda", model, HostConfig(experts="vram", max_ctx=8192))
     assert tried == [4096, 2048, 1024, 512] and be.max_step_tokens == 512
     tried.clear()
-    fits = 4096
+    fits = 2048
     be = make_backend("cuda", model, HostConfig(experts="host", max_ctx=16384))
-    assert tried == [8192, 4096] and be.max_step_tokens == 4096
+    assert tried == [4096, 2048] and be.max_step_tokens == 2048
     tried.clear()
     fits = 0
     with pytest.raises(BudgetTooSmall):
         make_backend("cuda", model, HostConfig(experts="host", max_ctx=16384))
-    assert tried == [8192, 4096, 2048, 1024, 512]
+    assert tried == [4096, 2048, 1024, 512]
     tried.clear()
     with pytest.raises(BudgetTooSmall):
         make_backend("cuda", model, HostConfig(experts="vram", step_tokens=2048, max_ctx=8192))

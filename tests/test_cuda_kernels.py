@@ -11,7 +11,6 @@ compiled by g++ under tests/kernel_emu.h, so CI checks what every kernel file co
 
 from __future__ import annotations
 
-import functools
 import os
 from types import SimpleNamespace
 
@@ -217,45 +216,6 @@ def test_gemv_formats(rig, qt, blocks, monkeypatch):
     assert kgemv.warps_per_row(qt, n_long) > 1
 
 
-@both_rigs
-@pytest.mark.parametrize("qt", sorted(kgemv.KERNEL_TYPES), ids=lambda q: QType(q).name)
-def test_gemv_column_ranges(rig, qt, monkeypatch):
-    """Jobs of column ranges (Job.cols: one staged range a row, tiles of at most 4 rows, x from the range's first
-    column) sum to the whole product, beside a whole-row job in the same launch, on the integer path and the f32
-    path, on the full grid and on fewer CTAs than tiles; ranges must lie on the format's blocks."""
-    rng = np.random.default_rng(int(qt) + 303)
-    qk = 8 if qt in kgemv.FLOAT_TYPES else kgemv.BLOCKS[qt][0]
-    n_in, n_out = qk * max(7, 1024 // qk), 11                # 11 rows: a partial last tile of any height
-    raw = random_matrix(qt, n_out, n_in, rng)
-    x = rng.standard_normal(n_in).astype(F32)
-    w, xb = rig.mat("w", raw, qt, n_out, n_in), rig.buf("x", (n_in,), value=x)
-    cols = kgemv.col_slices(w, 3)
-    parts = rig.buf("parts", (len(cols), n_out))
-    whole = rig.buf("whole", (n_out,))
-    table = kgemv.job_table("jobs", len(cols) + 1, rig.A.reserve)
-    rig.commit()
-    ref = dequantize(raw, qt).reshape(n_out, n_in).astype(np.float64) @ x.astype(np.float64)
-    jobs = [Job(w, xb, parts.row(i), cols=c) for i, c in enumerate(cols)] + [Job(w, xb, whole)]
-    assert len(cols) == 3 and cols[0][0] == 0 and cols[-1][1] == n_in and all(a % qk == 0 for a, _ in cols)
-    for int_rows in (0, 64):                                # the integer path where the format has one, then f32
-        monkeypatch.setattr(kgemv, "GEMV_INT_ROWS", int_rows)
-        rows, _, _, _ = kgemv.gemv_plan(jobs)
-        g = rows["geom"]
-        assert [bool(v >> 8 & 1) for v in g] == [True] * 3 + [False]
-        assert all(256 // (1 << (v & 15)) * (v >> 4 & 7) <= kgemv.SLICE_ROWS for v in g[:3])
-        for ctas in (None, 2):
-            rig.poison(parts, whole)
-            rig.run(kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", table, jobs, ctas=ctas))
-            got = parts.download().astype(np.float64)
-            for i, (a, b) in enumerate(cols):
-                part = dequantize(raw, qt).reshape(n_out, n_in)[:, a:b].astype(np.float64) @ x[a:b]
-                assert rel(got[i], part) <= TOL, f"{QType(qt).name} part {i}: {rel(got[i], part):.2e}"
-            assert rel(got.sum(axis=0), ref) <= TOL
-            assert rel(whole.download(), ref) <= TOL
-    with pytest.raises(ValueError, match="block-aligned"):
-        kgemv.gemv_plan([Job(w, xb, whole, cols=(0, n_in - qk // 2 if qk > 1 else n_in - 1))])
-
-
 GEOMS = [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS) for tpg in (4, 8, 16, 32, 64, 128, 256) for rr in (1, 2, 3, 4)] + \
         [kgemv.Geom(tpg, rr, kgemv.CTA_THREADS, f32=True) for tpg, rr in ((8, 4), (64, 3), (128, 1))]
 
@@ -452,36 +412,23 @@ def _hc_weights(rng, hc, E, r, qt=QType.Q8_0):
 
 
 @both_rigs
-@pytest.mark.parametrize("hc,E,r,slices", [(4, 100, 12, 0), (3, 256, 64, 0), (4, 2560, 320, 0), (4, 100, 12, 3),
-                                           (3, 256, 64, 1), (4, 2560, 320, 4)])
-def test_gr_read(rig, hc, E, r, slices):
-    """rms_group -> GEMV(down, inject) -> up_mix against strata.reference.hc.gr_read. slices > 0: the down
-    projection and the inject logits as that many jobs of column ranges each, writing partial sums into the parts
-    of one (slices, r + hc) buffer, which up_mix sums (the inject's into inj), as the CUDA backend's hc reads do."""
-    rng = np.random.default_rng(E + slices)
+@pytest.mark.parametrize("hc,E,r", [(4, 100, 12), (3, 256, 64), (4, 2560, 320)])
+def test_gr_read(rig, hc, E, r):
+    """rms_group -> GEMV(down, inject) -> up_mix against strata.reference.hc.gr_read."""
+    rng = np.random.default_rng(E)
     Rv = rng.standard_normal((hc, E)).astype(F32)
     norm = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
     w = _hc_weights(rng, hc, E, r)
     R, nb = rig.buf("R", (hc, E), value=Rv), rig.buf("norm", (hc, E), value=norm)
-    lo = rig.buf("lo", (slices, r + hc) if slices else (r,))
-    xn, inj, mixed = rig.buf("xn", (hc, E)), rig.buf("inj", (hc,)), rig.buf("mixed", (E,))
+    xn, lo, inj, mixed = rig.buf("xn", (hc, E)), rig.buf("lo", (r,)), rig.buf("inj", (hc,)), rig.buf("mixed", (E,))
     m = {k: rig.mat(k, v[0], v[1], v[2], v[3]) for k, v in w.items()}
-    table = kgemv.job_table("jobs", 2 * max(slices, 1), rig.A.reserve)
+    table = kgemv.job_table("jobs", 2, rig.A.reserve)
     rig.commit()
     k = rig.k
-    if slices:
-        jobs = [Job(m[name], xn, lo.row(i).view(name, 4 * r * (name == "inject"), (r if name == "down" else hc,),
-                                                F32), cols=c)
-                for name in ("down", "inject") for i, c in enumerate(kgemv.col_slices(m[name], slices))]
-        assert len(jobs) == 2 * slices
-        rows, _, _, _ = kgemv.gemv_plan(jobs)
-        assert all((g >> 8 & 1) == 1 for g in rows["geom"])           # the sliced tiles (one range a row)
-        up = khc.up_mix_launch(k.fn("hc", "up_mix"), "up", m["up"], lo, xn, mixed, hc, E, inj=inj)
-    else:
-        jobs = [Job(m["down"], xn, lo), Job(m["inject"], xn, inj)]
-        up = khc.up_mix_launch(k.fn("hc", "up_mix"), "up", m["up"], lo, xn, mixed, hc, E)
     launches = [khc.rms_group_launch(k.fn("hc", "rms_group"), "rms", R, nb, xn, hc, E, 1e-6),
-                kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "down", table, jobs), up]
+                kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "down", table, [Job(m["down"], xn, lo),
+                                                                              Job(m["inject"], xn, inj)]),
+                khc.up_mix_launch(k.fn("hc", "up_mix"), "up", m["up"], lo, xn, mixed, hc, E)]
     rig.poison(xn, lo, inj, mixed)
     rig.run(*launches)
     ref_mixed, ref_inj = gr_read(Rv[None], norm, Rows(w["down"][4]), Rows(w["up"][4]), Rows(w["inject"][4]), 1e-6)
@@ -517,23 +464,20 @@ def test_up_mix_every_geometry(rig):
 
 
 @both_rigs
-@pytest.mark.parametrize("rows,hc,E,parts", [(1, 4, 333, 1), (3, 4, 2560, 1), (2, 1, 40, 1), (1, 4, 2560, 3)])
-def test_write_rms(rig, rows, hc, E, parts):
+@pytest.mark.parametrize("rows,hc,E", [(1, 4, 333), (3, 4, 2560), (2, 1, 40)])
+def test_write_rms(rig, rows, hc, E):
     """gr_write and the next norm over a cluster of CTAs a row: slices of E that do not divide evenly, several
-    rows, one stream, and slices shorter than a warp; out as partial sums (the mixer's output projection split
-    over its inputs), added in part order."""
-    rng = np.random.default_rng(3 + rows + parts)
-    Rv, pv = rng.standard_normal((rows, hc, E)).astype(F32), rng.standard_normal((parts, rows, E)).astype(F32)
-    out = functools.reduce(np.add, pv)
+    rows, one stream, and slices shorter than a warp."""
+    rng = np.random.default_rng(3 + rows)
+    Rv, out = rng.standard_normal((rows, hc, E)).astype(F32), rng.standard_normal((rows, E)).astype(F32)
     inj_raw = rng.standard_normal((rows, hc)).astype(F32)
     norm = (1 + 0.2 * rng.standard_normal((hc, E))).astype(F32)
     R = rig.buf("R", (rows, hc, E), value=Rv)
-    ob = rig.buf("out", (parts, E) if parts > 1 else (rows, E), value=pv.reshape(-1, E))
-    ib, nb, xn = (rig.buf("inj", (rows, hc), value=inj_raw), rig.buf("norm", (hc, E), value=norm),
-                  rig.buf("xn", (rows, hc, E)))
+    ib, ob, nb, xn = (rig.buf("inj", (rows, hc), value=inj_raw), rig.buf("out", (rows, E), value=out),
+                      rig.buf("norm", (hc, E), value=norm), rig.buf("xn", (rows, hc, E)))
     rig.commit()
     rig.poison(xn)
-    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6, rows, parts))
+    rig.run(khc.write_rms_launch(rig.k.fn("hc", "write_rms"), "write", R, ib, ob, nb, xn, hc, E, 1e-6, rows))
     inject = (2 / (1 + np.exp(-inj_raw / hc))).astype(F32)
     Rn = gr_write(Rv, inject, out)
     assert rel(R.download(), Rn) <= TOL

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial, reduce, wraps
+from functools import partial, wraps
 
 import numpy as np
 
@@ -49,7 +49,6 @@ from strata.kernels import hc as khc
 from strata.kernels import moe as kmoe
 from strata.kernels import ple as kple
 from strata.kernels import qsa as kqsa
-from strata.kernels.build import define
 from strata.kernels.gemv import Job, device_row_bytes
 from strata.model.loader import Model
 from strata.quant.formats import QType, row_bytes
@@ -70,13 +69,6 @@ LOAD_STAGING = 4                                 # pinned buffers for load_exper
 PREFETCH_CTAS = 16
 COPY_WHAT = "expert %d.%d -> slot %d"            # an expert copy, in an error's message
 LOAD_EVENTS = 64                                 # posts whose expert loads may be in flight
-
-
-# column ranges of the hc reads' down projection and of the mixers' output projection (gemv.py Job.cols; bench
-# variants: STRATA_KERNEL_DEFINES=HC_DOWN_SLICES=n / MIX_OUT_SLICES=n): whole rows until a same-call timing of
-# the token says otherwise (bench/gpu_variants.sh)
-HC_DOWN_SLICES = 1
-MIX_OUT_SLICES = 1
 
 
 class _Later:
@@ -171,17 +163,6 @@ class CudaBackend:
         if not 1 <= int(step_tokens) <= self.max_ctx:
             raise BackendError(f"CudaBackend: step_tokens={step_tokens}: 1 .. max_ctx ({self.max_ctx})")
         self.max_step_tokens = int(step_tokens)
-        # the hc reads' down projection and inject logits split over this many column ranges of their 10240 inputs
-        # (gemv.py Job.cols): more, smaller tiles for the GPU's SMs (320 rows of 2 a tile leave 32 SMs two tiles
-        # and 100 one); up_mix sums the parts
-        self.hc_slices = define("HC_DOWN_SLICES", HC_DOWN_SLICES)
-        if not 1 <= self.hc_slices <= 4:
-            raise BackendError(f"CudaBackend: HC_DOWN_SLICES={self.hc_slices}: 1 to 4 (a launch holds 8 jobs)")
-        # ... and the mixers' output projections (ssm_out, attn_output: 2560 x 6144, 320 tiles of 8 rows on the
-        # ring's 264 CTAs), write_rms adding the parts
-        self.mix_slices = define("MIX_OUT_SLICES", MIX_OUT_SLICES)
-        if not 1 <= self.mix_slices <= 8:
-            raise BackendError(f"CudaBackend: MIX_OUT_SLICES={self.mix_slices}: 1 to 8 (a launch holds 8 jobs)")
         self.log = log
         cfg, W = self.cfg, model.weights
         self.dev = drv.Device.open()
@@ -336,13 +317,11 @@ class CudaBackend:
         self.b_ticket = R("route_ticket", (1,), np.uint32)  # moe_route's last-row ticket (left zeroed)
         self.b_R = R("R", (hc, E))                          # the residual streams
         self.b_xn = R("xn", (hc, E))                        # the current read's normalized streams
-        # gr_read's low-rank pre-activation and inject logits, as hc_slices partial sums over column ranges of xn
-        # (summed by up_mix)
-        self.b_lo = R("lo", (self.hc_slices, cfg.hc_rank + hc))
+        self.b_lo = R("lo", (cfg.hc_rank,))                 # gr_read's low-rank pre-activation
         self.b_inj_a = R("inject_attn", (hc,))              # raw inject logits of the attention half
         self.b_inj_f = R("inject_ffn", (hc,))               # ... and of the ffn half (read by post)
         self.b_mixed = R("mixed", (E,))                     # attention read: the mixer's input
-        self.b_mix_out = R("mixer_out", (self.mix_slices, E))     # partial sums over column ranges (write_rms adds)
+        self.b_mix_out = R("mixer_out", (E,))
         self.b_x_ffn = R("x_ffn", (E,))                     # ffn read: the MoE input
         self.b_logits_r = R("router_logits", (cfg.n_expert,))
         self.b_sg = R("shexp_gate", (1,))                   # shared expert gate logit
@@ -649,47 +628,15 @@ class CudaBackend:
         cfg, K = self.cfg, self.kern
         E, hc, eps = cfg.n_embd, cfg.hc, cfg.rms_eps
 
-        def gemv(name: str, jobs: list[Job], ctas: int | None = None) -> _Later:
+        def gemv(name: str, jobs: list[Job]) -> _Later:
             table = kgemv.job_table(name + ".jobs", len(jobs), self.A.reserve)
-            return _Later(kgemv.gemv_launch, K.fn("gemv", "gemv_jobs"), name, table, jobs, None, ctas)
-
-        # the hc reads' down projection: CTAs a multiprocessor (0: as many as fit). A bench variant
-        # (STRATA_KERNEL_DEFINES=HC_DOWN_PER_SM=1) leaves room beside it for up_mix's CTAs, which stage their
-        # weights before their launch wait.
-        per_sm = define("HC_DOWN_PER_SM", 0)
-        down_ctas = per_sm * self.dev.n_sm if per_sm else None
-
-        def slices(mats: list, n: int) -> list[list]:
-            """Each matrix's columns as the same number of ranges, n at most (fewer where a row has fewer
-            blocks); [[None]] each at 1: whole rows."""
-            n = min([n] + [len(kgemv.col_slices(m, n)) for m in mats])
-            return [[None] if n == 1 else kgemv.col_slices(m, n) for m in mats]
-
-        def mix_out_jobs(m, x: DevArray) -> list[Job]:
-            """The mixer's output projection as up to mix_slices jobs of column ranges (write_rms adds them)."""
-            return [Job(m, x, self.b_mix_out.row(i), cols=c) for i, c in enumerate(slices([m], self.mix_slices)[0])]
-
-        def hc_read(name: str, down, inject, up, mixed: DevArray, inj: DevArray | None) -> list[_Later]:
-            """gr_read after its norm: the down projection (and the inject logits) as up to hc_slices jobs of
-            column ranges each, then up_mix summing their parts."""
-            r = cfg.hc_rank
-            mats = [m for m in (down, inject) if m is not None]
-            jobs = []
-            for m, cols in zip(mats, slices(mats, self.hc_slices)):
-                for i, c in enumerate(cols):
-                    y = self.b_lo.row(i).view("down" if m is down else "inject", 0 if m is down else 4 * r,
-                                              (r if m is down else hc,), np.float32)
-                    jobs.append(Job(m, self.b_xn, y, cols=c))
-            return [gemv(name + ("_down_inject" if inject is not None else "_down"), jobs, down_ctas),
-                    _Later(partial(khc.up_mix_launch, inj=inj, parts=len(jobs) // len(mats)), K.fn("hc", "up_mix"),
-                           name + "_up_mix", up, self.b_lo, self.b_xn, mixed, hc, E)]
+            return _Later(kgemv.gemv_launch, K.fn("gemv", "gemv_jobs"), name, table, jobs)
 
         L0 = self.L[0]
         first_norm = None if 0 in cfg.ple_layers else L0["hc_attn_norm"]
         begin = [_Later(kgemv.embed_launch, K.fn("gemv", "embed_rms"), "embed", self.w_embd, self.b_step, self.b_R,
                         first_norm, self.b_xn, hc, eps)]
         pre, pre_tok, post, post_m, pref = [], [], [], [], []
-        self.mix_parts: list[int] = []                 # each layer's mixer output parts (write_rms adds them)
         for il in range(cfg.n_layer):
             d, s, p = self.L[il], self.S[il], f"blk.{il}."
             st: list[tuple[str, list]] = []
@@ -704,12 +651,11 @@ class CudaBackend:
                            d["ple_norm_conv"], d["ple_conv1d"], self.b_ple_hist, self.b_step)]))
             read = [_Later(khc.rms_group_launch, K.fn("hc", "rms_group"), p + "attn_norm", self.b_R,
                            d["hc_attn_norm"], self.b_xn, hc, E, eps)] if il in cfg.ple_layers else []
-            read += hc_read(p + "attn", d["hc_attn_down"], d["hc_attn_inject"], d["hc_attn_up"], self.b_mixed,
-                            self.b_inj_a)
+            read += [gemv(p + "attn_down_inject", [Job(d["hc_attn_down"], self.b_xn, self.b_lo),
+                                                   Job(d["hc_attn_inject"], self.b_xn, self.b_inj_a)]),
+                     _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "attn_up_mix", d["hc_attn_up"], self.b_lo,
+                            self.b_xn, self.b_mixed, hc, E)]
             st.append(("attn_read", read))
-            out_jobs = mix_out_jobs(d["ssm_out" if cfg.recurrent[il] else "attn_output"],
-                                    self.b_y if cfg.recurrent[il] else self.b_att)
-            self.mix_parts.append(len(out_jobs))
             if cfg.recurrent[il]:
                 mixer = [gemv(p + "gdn_proj", [Job(d["attn_qkv"], self.b_mixed, self.b_qkv),
                                                Job(d["attn_gate"], self.b_mixed, self.b_z),
@@ -718,7 +664,7 @@ class CudaBackend:
                          _Later(kgdn.gdn_core_launch, K.fn("gdn", "gdn_core"), p + "gdn_core", cfg, self.b_qkv,
                                 self.b_z, self.b_alpha, self.b_beta, d["ssm_conv1d"], d["ssm_dt"], d["ssm_a"],
                                 d["ssm_norm"], s["ring"], s["S"], self.b_y, self.b_step),
-                         gemv(p + "ssm_out", out_jobs)]
+                         gemv(p + "ssm_out", [Job(d["ssm_out"], self.b_y, self.b_mix_out)])]
             else:
                 mixer = [gemv(p + "qsa_proj", [Job(d["attn_q"], self.b_mixed, self.b_qg),
                                                Job(d["attn_k"], self.b_mixed, self.b_kr),
@@ -737,13 +683,14 @@ class CudaBackend:
                                 s["Vc"], self.b_sel, self.b_meta, self.b_part, self.b_step, self.max_ctx, self.nsplit),
                          _Later(kqsa.combine_launch, K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.b_part,
                                 self.b_qg, self.b_att, self.nsplit, self.b_step),
-                         gemv(p + "attn_output", out_jobs)]
+                         gemv(p + "attn_output", [Job(d["attn_output"], self.b_att, self.b_mix_out)])]
             st.append(("mixer", mixer))
             st.append(("attn_write", [_Later(khc.write_rms_launch, K.fn("hc", "write_rms"), p + "attn_write", self.b_R,
-                                             self.b_inj_a, self.b_mix_out, d["hc_ffn_norm"], self.b_xn, hc, E, eps, 1,
-                                             len(out_jobs))]))
-            st.append(("ffn_read", hc_read(p + "ffn", d["hc_ffn_down"], d["hc_ffn_inject"], d["hc_ffn_up"],
-                                            self.b_x_ffn, self.b_inj_f)))
+                                             self.b_inj_a, self.b_mix_out, d["hc_ffn_norm"], self.b_xn, hc, E, eps)]))
+            st.append(("ffn_read", [gemv(p + "ffn_down_inject", [Job(d["hc_ffn_down"], self.b_xn, self.b_lo),
+                                                                 Job(d["hc_ffn_inject"], self.b_xn, self.b_inj_f)]),
+                                    _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), p + "ffn_up_mix", d["hc_ffn_up"],
+                                           self.b_lo, self.b_xn, self.b_x_ffn, hc, E)]))
             router = gemv(p + "router", [Job(d["router"], self.b_x_ffn, self.b_logits_r)])
 
             def route(db, ids, il=il, p=p):
@@ -787,8 +734,10 @@ class CudaBackend:
                 post_m.append(post_of(self.expert_job_m[il], ids, self.b_ptab.row(il)))
                 if self.prefetch and il + 1 < cfg.n_layer:
                     pref.append(self._prefetch_plan(il + 1))
-        head = hc_read("output", self.w_out_down, None, self.w_out_up, self.b_mixed, None) + \
-            [gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
+        head = [gemv("output_down", [Job(self.w_out_down, self.b_xn, self.b_lo)]),
+                _Later(khc.up_mix_launch, K.fn("hc", "up_mix"), "output_up_mix", self.w_out_up, self.b_lo, self.b_xn,
+                       self.b_mixed, hc, E),
+                gemv("lm_head", [Job(self.w_out, self.b_mixed, self.b_logits)])]
         self._plans = (begin, pre, pre_tok, post, post_m, pref, head)
 
     def _prefetch_plan(self, il: int) -> list[tuple[str, list]]:
@@ -1103,10 +1052,7 @@ class CudaBackend:
             g = self.b_gpu_parts.download()
             seq.dump.put(seq.pos, layer, stage, g if seq.mask.all() else np.where(seq.mask[:, None], g, seq.parts))
             return
-        v = value[stage].download()
-        if stage == "mixer":            # the partial sums, added in write_rms's order
-            v = reduce(np.add, v.reshape(self.mix_slices, -1)[:self.mix_parts[layer]])
-        seq.dump.put(seq.pos, layer, stage, v)
+        seq.dump.put(seq.pos, layer, stage, value[stage].download())
         if stage == "combine":
             seq.dump.put(seq.pos, layer, "ffn_write", self.b_R.download())
 

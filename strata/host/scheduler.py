@@ -79,12 +79,11 @@ STEP_TOKENS_VRAM = 4096    # ... and on CUDA: a 4096-row chunk's graph runs ~2x 
                            # one on the H200 (bench/RESULTS.md, bench_prefill_gpu.py); under a budget its 5.8 GB
                            # of activations (flash) are cache slots between batched steps (lent_slots), and a 4K
                            # prompt prefilled 2.3x faster (each chunk streams every layer's experts once)
-STEP_TOKENS_BUDGET = 8192  # ... and on CUDA under a budget (experts in host memory): every chunk streams each
-                           # layer's experts once, so longer chunks amortize it; a 32K prompt under 24 GiB
-                           # prefilled 3,450 -> 3,844 tok/s (H100, bench/RESULTS.md sixteenth session), and the
-                           # activations are cache slots between batched steps, taken back only as far as a step's
-                           # rows write them (BatchPath.touched): prompts of 4096 rows or fewer cost the cache what
-                           # they did with 4096-row steps
+                           # 8192-row steps under 24 GiB (`--step-tokens 8192`): the 32K prompt 3,354 -> 3,808
+                           # tok/s, the 8K 3,550 -> 3,903, but the 4K 3,672 -> 3,491 and decode right after an
+                           # 8K prompt 9.98 -> 11.40 ms a token (H100, one run each: bench/RESULTS.md seventeenth
+                           # session): the larger section of lent activations leaves fewer slots that keep their
+                           # experts through a prompt, so the default stays 4096 for every placement
 RAMP_FIRST = 512           # where PLE rows are read from the file, a prompt's first chunk at most this many rows;
                            # then each chunk doubles, up to step_tokens: a chunk waits for its PLE rows (4 KiB each,
                            # ~41K a second at depth 32 on the H200's disk: 0.2 s for 512 tokens, 1.6 s for 4096), and
@@ -141,10 +140,9 @@ class HostConfig:
                                             # mapped file), "host" (the CPU pool over the host store), "auto":
                                             # mapped when they fit half the RAM and host_budget_bytes
     step_tokens: int | None = None          # rows per step at most (decode rows, then prompt chunks); the
-                                            # backend's max_step_tokens caps it. None on CUDA: STEP_TOKENS_VRAM
-                                            # with every weight in VRAM, STEP_TOKENS_BUDGET under a budget (each
-                                            # halved down to 512 while the budget cannot hold its activations);
-                                            # STEP_TOKENS elsewhere
+                                            # backend's max_step_tokens caps it. None: STEP_TOKENS_VRAM on CUDA
+                                            # (halved down to 512 while a budget cannot hold its activations),
+                                            # else STEP_TOKENS
     prefix_cache_bytes: int = 1 << 30       # sequence-state snapshots kept for prefix reuse (LRU); 0: none. Only
                                             # a backend that can copy its state (snapshot / restore) takes them
     prefetch: str = "off"                   # while layer l's experts are planned, start reading layer l + 1's

@@ -20,16 +20,10 @@ HEADERS = ("common.cuh", "quant.cuh", "gemm.cuh")
 OPTIONS = ("-std=c++17", "-lineinfo")
 
 
-# $STRATA_KERNEL_DEFINES names that change only how the backend plans its launches (read by `define`), never a
-# source: left out of the compile options, so that a bench variant of them reuses the built kernels
-LAUNCH_ONLY = frozenset(("HC_DOWN_SLICES", "HC_DOWN_PER_SM", "MIX_OUT_SLICES"))
-
-
 def options() -> tuple[str, ...]:
     """OPTIONS, plus -D NAME=VALUE for each word of $STRATA_KERNEL_DEFINES: the benches build a kernel's
     compile-time variants with it (bench/gpu_check.py --phases gemv under GEMV_MIN_CTAS=2, 3, 4)."""
-    return OPTIONS + tuple("-D" + d for d in os.environ.get("STRATA_KERNEL_DEFINES", "").split()
-                           if d.partition("=")[0] not in LAUNCH_ONLY)
+    return OPTIONS + tuple("-D" + d for d in os.environ.get("STRATA_KERNEL_DEFINES", "").split())
 
 
 def define(name: str, default: int) -> int:

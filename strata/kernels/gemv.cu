@@ -16,7 +16,7 @@ struct GemvJob {
     float* y;            // (n_out,)
     i32 type, type2;     // ggml type ids of w and w2
     i32 n_in, n_out;
-    i32 row_bytes, row_bytes2;   // a sliced job (geom_sliced): the bytes of a row it reads, and the row stride
+    i32 row_bytes, row_bytes2;
     i32 cta0;            // first CTA of this job in its launch
     i32 geom;            // log2(TPG) | RR << 4 (quant.cuh geom_*); tile rows RT = 256 / TPG * RR
 };
@@ -44,23 +44,10 @@ __device__ __forceinline__ bool reads_xq(const GemvJob& J) {
     return !geom_f32(J.geom) && (int_type(J.type) || (J.w2 != nullptr && int_type(J.type2)));
 }
 
-// tile t's weight rows (both matrices of a GLU pair) as the ranges of the buffer at shared offset `base`; a sliced
-// job's tile (at most 4 rows) as one range a row: the same columns of each row, row_bytes2 apart
+// tile t's weight rows (both matrices of a GLU pair) as the ranges of the buffer at shared offset `base`
 __device__ __forceinline__ Ranges tile_ranges(const GemvJob& J, int t, int base) {
     int row0, nrows;
     tile_rows(J, t, row0, nrows);
-    if (geom_sliced(J.geom)) {
-        Ranges R;
-        int end = base;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            R.src[q] = q < nrows ? J.w + (size_t)(row0 + q) * J.row_bytes2 : nullptr;
-            R.n[q] = q < nrows ? J.row_bytes : 0;
-            R.dst[q] = end;
-            if (q < nrows) end = range_end(R, q) + 16;
-        }
-        return R;
-    }
     const bool glu = J.w2 != nullptr;
     return ranges2(J.w + (size_t)row0 * J.row_bytes, nrows * J.row_bytes,
                    glu ? J.w2 + (size_t)row0 * J.row_bytes2 : nullptr, glu ? nrows * J.row_bytes2 : 0, base);
@@ -116,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
         const int tpg = geom_tpg(J.geom), rr = geom_rr(J.geom), G = blockDim.x / tpg;
         int row0, nrows;
         tile_rows(J, t, row0, nrows);
-        const bool glu = J.w2 != nullptr, sliced = geom_sliced(J.geom);
+        const bool glu = J.w2 != nullptr;
         const Ranges R = tile_ranges(J, t, (k % GEMV_STAGES) * stage_bytes);
         if (reads_xq(J) && J.x != xq_of) {               // uniform over the CTA: every thread reads the same job
             xq_prep(J.x, J.n_in, xo);
@@ -129,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_CTAS) gemv_jobs(const
         for (int q = 0; q < 4; q++) {
             const int r = q * G + g;          // row of the tile
             const bool ok = q < rr && r < nrows;
-            o[q] = !ok ? -1 : sliced ? range_off(R, r) : range_off(R, 0) + r * J.row_bytes;
+            o[q] = ok ? range_off(R, 0) + r * J.row_bytes : -1;
             o2[q] = ok && glu ? range_off(R, 1) + r * J.row_bytes2 : -1;
         }
         // the limbs are in the natural layout (1) whenever a format of this job reads them, none for an f32 job

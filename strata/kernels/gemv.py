@@ -78,7 +78,6 @@ class Geom:
     rr: int       # rows per thread (1 to 4), sharing the thread's x loads
     nt: int       # threads per CTA
     f32: bool = False   # gemv_jobs: the f32 path for this job even where its format has the integer path
-    sliced: bool = False    # gemv_jobs: a job of a column range (Job.cols), one staged range a row
 
     @property
     def groups(self) -> int:
@@ -90,15 +89,14 @@ class Geom:
 
     @property
     def word(self) -> int:          # quant.cuh geom_tpg / geom_rr / geom_f32
-        return (self.tpg.bit_length() - 1) | (self.rr << 4) | (int(self.f32) << 7) | (int(self.sliced) << 8)
+        return (self.tpg.bit_length() - 1) | (self.rr << 4) | (int(self.f32) << 7)
 
 
 def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: int = CTA_THREADS,
-             rr_only: int | None = None, tile_max: int = TILE_MAX, n_sm: int = N_SM, rows_max: int = 0) -> Geom:
+             rr_only: int | None = None, tile_max: int = TILE_MAX, n_sm: int = N_SM) -> Geom:
     """The (TPG, RR) whose estimated time is least: per-CTA latency + staging + the busiest thread's decode work
     + its x loads, times the CTA waves (one resident tile per SM), but never under the bytes at 3.5 TB/s.
-    `halves` = 2 for a GLU pair; rr_only fixes RR (up_mix: one row per stream); rows_max > 0 caps the tile's rows
-    (a sliced job stages one range a row, at most 4).
+    `halves` = 2 for a GLU pair; rr_only fixes RR (up_mix: one row per stream).
 
     The coefficients are a least-squares fit to every geometry of the five dense flash matrices timed on the H200
     (`bench/gpu_check.py --phases gemv --sweep`, bench/GPU_NOTES.md): a thread's x loads (float4 reads, one per
@@ -118,8 +116,6 @@ def geometry(qt: int, n_in: int, n_out: int, rb: int, *, halves: int = 1, nt: in
     while tpg <= nt:
         for rr in ((rr_only,) if rr_only else (4, 3, 2, 1)):
             g = Geom(tpg, rr, nt)
-            if rows_max and g.rows > rows_max:
-                continue
             tile = min(g.rows, n_out) * rb * halves + 32 * halves
             if tile > tile_max and not (tpg == nt and rr == (rr_only or 1)):
                 continue
@@ -142,49 +138,12 @@ def warps_per_row(qt: int, n_in: int, n_out: int = 5) -> int:
 
 @dataclass
 class Job:
-    """y = w @ x, or y = silu(w @ x) * (w2 @ x) when w2 is set (GLU); `mat` picks one of stacked matrices. `cols`
-    = (k0, k1): y = w[:, k0:k1] @ x[k0:k1] (a part of a product split over its inputs, summed by the reader; k0 and
-    k1 on the format's block boundaries; no GLU), staged one range a row in tiles of at most 4 rows."""
+    """y = w @ x, or y = silu(w @ x) * (w2 @ x) when w2 is set (GLU); `mat` picks one of stacked matrices."""
     w: DevMat
     x: DevArray
     y: DevArray
     w2: DevMat | None = None
     mat: int = 0
-    cols: tuple[int, int] | None = None
-
-    @property
-    def n_in(self) -> int:
-        return self.w.n_in if self.cols is None else self.cols[1] - self.cols[0]
-
-    @property
-    def row_bytes(self) -> int:
-        """bytes of a row this job reads"""
-        return self.w.row_bytes if self.cols is None else col_bytes(self.w.qtype, self.n_in)
-
-
-SLICE_ROWS = 4                # a sliced job's tile rows at most (quant.cuh Ranges: 4 ranges)
-
-
-def col_bytes(qt: int, n: int) -> int:
-    """Bytes of n consecutive columns of a row, from a block boundary (gemv_jobs' sliced jobs)."""
-    qt = QType(qt)
-    if qt in FLOAT_TYPES:
-        return n * (4 if qt == QType.F32 else 2)
-    qk, bb, _ = BLOCKS[qt]
-    return n // qk * bb
-
-
-def col_slices(m: DevMat, n: int) -> list[tuple[int, int]]:
-    """m's columns as n near-equal ranges on its format's block boundaries (each a sliced Job's `cols`); fewer when
-    the row has fewer blocks."""
-    qt = QType(m.qtype)
-    qk = 8 if qt in FLOAT_TYPES else BLOCKS[qt][0]
-    if m.n_in % qk:
-        raise ValueError(f"col_slices: {m.n_in} columns are not whole blocks of {qk}")
-    blocks = m.n_in // qk
-    n = max(1, min(n, blocks))
-    cuts = [blocks * i // n * qk for i in range(n + 1)]
-    return [(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 def job_table(name: str, n_jobs: int, reserve) -> DevArray:
@@ -216,7 +175,7 @@ def xq_bytes(qt: int, n_in: int, layouts=(1,)) -> int:
 def launch_xq_bytes(jobs: list[Job], f32: list[bool] | None = None) -> int:
     """Shared bytes of x's limbs a launch of these jobs needs (none for the jobs marked f32)."""
     f32 = f32 or [False] * len(jobs)
-    return max((xq_bytes(m.qtype, j.n_in) for j, f in zip(jobs, f32) if not f for m in (j.w, j.w2) if m is not None),
+    return max((xq_bytes(m.qtype, m.n_in) for j, f in zip(jobs, f32) if not f for m in (j.w, j.w2) if m is not None),
                default=0)
 
 
@@ -224,9 +183,9 @@ def _pick(j: Job, xq: int, f32: bool) -> Geom:
     """The time model's geometry of job j beside xq bytes of limbs, marked for the f32 path when `f32`."""
     rb2 = j.w2.row_bytes if j.w2 is not None else 0
     qt = j.w.qtype if j.w2 is None or OPS.get(QType(j.w.qtype), 6) >= OPS.get(QType(j.w2.qtype), 6) else j.w2.qtype
-    g = geometry(qt, j.n_in, j.w.n_out, max(j.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
-                 tile_max=ring_tile_max(xq), rows_max=SLICE_ROWS if j.cols is not None else 0)
-    return Geom(g.tpg, g.rr, g.nt, f32, j.cols is not None)
+    g = geometry(qt, j.w.n_in, j.w.n_out, max(j.w.row_bytes, rb2), halves=2 if j.w2 is not None else 1,
+                 tile_max=ring_tile_max(xq))
+    return Geom(g.tpg, g.rr, g.nt, f32) if f32 else g
 
 
 def _geoms(jobs: list[Job]) -> tuple[list[Geom], int]:
@@ -267,37 +226,22 @@ def gemv_plan(jobs: list[Job], name: str = "gemv", geom: Geom | None = None) -> 
             _check_mat(j.w2, what + " (GLU partner)")
             if (j.w2.n_in, j.w2.n_out) != (j.w.n_in, j.w.n_out):
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
-        if j.cols is not None:
-            k0, k1 = j.cols
-            qk = 8 if QType(j.w.qtype) in FLOAT_TYPES else BLOCKS[QType(j.w.qtype)][0]
-            if j.w2 is not None or not 0 <= k0 < k1 <= j.w.n_in or k0 % qk or k1 % qk:
-                raise ValueError(f"{what}: columns {k0}:{k1} of {j.w.n_in} are not a block-aligned range of a "
-                                 f"matrix without a GLU partner")
     if geom is None:
         geoms, xq = _geoms(jobs)
     else:
-        geoms = [Geom(geom.tpg, geom.rr, geom.nt, geom.f32, j.cols is not None) for j in jobs]
-        if any(g.sliced and g.rows > SLICE_ROWS for g in geoms):
-            raise ValueError(f"{name}: geometry {geom} has {geom.rows} rows a tile; a sliced job takes {SLICE_ROWS}")
-        xq = launch_xq_bytes(jobs, [geom.f32] * len(jobs))
+        geoms, xq = [geom] * len(jobs), launch_xq_bytes(jobs, [geom.f32] * len(jobs))
     cta, smem = 0, 0
     for i, (j, g) in enumerate(zip(jobs, geoms)):
         r = rows[i]
-        k0 = j.cols[0] if j.cols is not None else 0
-        r["w"] = j.w.ptr + j.mat * j.w.mat_bytes + col_bytes(j.w.qtype, k0)
-        r["x"], r["y"] = j.x.ptr + 4 * k0, j.y.ptr
-        r["type"], r["n_in"], r["n_out"], r["row_bytes"] = j.w.qtype, j.n_in, j.w.n_out, j.row_bytes
+        r["w"], r["x"], r["y"] = j.w.ptr + j.mat * j.w.mat_bytes, j.x.ptr, j.y.ptr
+        r["type"], r["n_in"], r["n_out"], r["row_bytes"] = j.w.qtype, j.w.n_in, j.w.n_out, j.w.row_bytes
         rb2 = 0
         if j.w2 is not None:
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
             rb2 = j.w2.row_bytes
         r["cta0"], r["geom"] = cta, g.word
         nrows = min(g.rows, j.w.n_out)
-        if j.cols is not None:
-            r["row_bytes2"] = j.w.row_bytes                 # the row stride
-            smem = max(smem, tile_smem(*[j.row_bytes] * nrows))
-        else:
-            smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))
+        smem = max(smem, tile_smem(nrows * j.w.row_bytes, nrows * rb2))
         cta += -(-j.w.n_out // g.rows)
     return rows, cta, smem, xq
 

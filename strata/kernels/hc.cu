@@ -14,12 +14,11 @@ extern "C" __global__ void __launch_bounds__(1024) rms_group(const float* __rest
 
 // R[s] += inject_s * out with inject_s = 2 sigmoid(inj_raw[s] / hc) (gr_write), then xn[s] = RMSNorm(R[s]) * w[s]
 // (the next gr_read's norm); grid (hc, rows): R, xn (rows, hc, E), inj_raw (rows, hc), out (rows, E). A thread's
-// elements stay in its registers (load_own; E <= RMS_BATCH * 1024). out holds n_parts partial sums `stride` floats
-// apart (the mixer's output projection split over its inputs: gemv.py Job.cols), added in part order.
+// elements stay in its registers (load_own; E <= RMS_BATCH * 1024).
 extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const float* __restrict__ inj_raw,
-                                                             const float* __restrict__ out, int n_parts,
-                                                             int stride, const float* __restrict__ w, float* xn,
-                                                             int E, int hc, float eps) {
+                                                             const float* __restrict__ out,
+                                                             const float* __restrict__ w, float* xn, int E, int hc,
+                                                             float eps) {
     __shared__ float red[33];
     const int s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     float wv[RMS_BATCH], a[RMS_BATCH], b[RMS_BATCH];
@@ -30,12 +29,6 @@ extern "C" __global__ void __launch_bounds__(1024) write_rms(float* R, const flo
     const float inj_r = inj_raw[row * hc + s];
     load_own(r, E, tid, nt, a);
     load_own(out + (size_t)row * E, E, tid, nt, b);
-    for (int p = 1; p < n_parts; p++) {
-        float c[RMS_BATCH];
-        load_own(out + (size_t)p * stride + (size_t)row * E, E, tid, nt, c);
-#pragma unroll
-        for (int u = 0; u < RMS_BATCH; u++) b[u] += c[u];
-    }
     const float inj = 2.0f * sigmoidf_(inj_r / (float)hc);
     float ss = 0.0f;
 #pragma unroll
@@ -76,13 +69,10 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix(const float* __restrict
 // A CTA takes G = blockDim / TPG consecutive e: the GEMV core with one row set per stream (rows s*E + e), so a
 // thread's lo reads serve the hc rows of its e. lo lives in shared memory after the tiles, zeros up to a multiple
 // of 8. hc <= 4.
-// lo_raw holds n_parts partial sums `stride` floats apart (the down projection split over its inputs: gemv.py
-// Job.cols), summed here in part order; each part's values r .. r + hc - 1 are the inject logits' partial sums,
-// which CTA 0 sums into inj when it is set.
 extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ up, int type, int row_bytes, int r,
-                                                         const float* __restrict__ lo_raw, int n_parts, int stride,
-                                                         float* inj, const float* __restrict__ xn, float* mixed,
-                                                         int E, int hc, int geom) {
+                                                         const float* __restrict__ lo_raw,
+                                                         const float* __restrict__ xn, float* mixed, int E, int hc,
+                                                         int geom) {
     __shared__ float red[4 * 8];
     const int tpg = geom_tpg(geom), G = blockDim.x / tpg;
     const int e0 = blockIdx.x * G, ne = min(G, E - e0);
@@ -98,16 +88,7 @@ extern "C" __global__ void __launch_bounds__(256) up_mix(const u8* __restrict__ 
     stage_constant(R);       // the weights are constant: copied in before pdl_begin, as gemv_jobs does
     float* lo = (float*)(SMEM + end);
     const int rp = (r + 7) & ~7;
-    for (int i = threadIdx.x; i < rp; i += blockDim.x) {
-        float v = 0.0f;
-        for (int p = 0; p < n_parts && i < r; p++) v += lo_raw[(size_t)p * stride + i];
-        lo[i] = i < r ? siluf_(v / (float)hc) : 0.0f;
-    }
-    if (inj != nullptr && blockIdx.x == 0 && threadIdx.x < hc) {
-        float v = 0.0f;
-        for (int p = 0; p < n_parts; p++) v += lo_raw[(size_t)p * stride + r + threadIdx.x];
-        inj[threadIdx.x] = v;
-    }
+    for (int i = threadIdx.x; i < rp; i += blockDim.x) lo[i] = i < r ? siluf_(lo_raw[i] / (float)hc) : 0.0f;
     __syncthreads();
     const int g = threadIdx.x / tpg, l = threadIdx.x % tpg;
     int o[4];

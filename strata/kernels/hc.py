@@ -30,21 +30,15 @@ def own_elements(name: str, E: int) -> None:
 
 
 def write_rms_launch(fn, name: str, R: DevArray, inj_raw: DevArray, out: DevArray, w: DevArray, xn: DevArray,
-                     hc: int, E: int, eps: float, rows: int = 1, parts: int = 1) -> Launch:
-    """R[t, s] += 2 sigmoid(inj_raw[t, s] / hc) * out[t], then xn[t, s] = RMSNorm(R[t, s]) * w[s]. With parts > 1
-    (one row) out is (parts, E): partial sums over column ranges of the mixer's output projection (gemv.py
-    Job.cols), added in part order."""
+                     hc: int, E: int, eps: float, rows: int = 1) -> Launch:
+    """R[t, s] += 2 sigmoid(inj_raw[t, s] / hc) * out[t], then xn[t, s] = RMSNorm(R[t, s]) * w[s]."""
     own_elements(name, E)
     need(inj_raw, name + " inject", rows * hc)
-    if parts > 1 and rows != 1:
-        raise ValueError(f"{name}: partial sums of out are for one row, not {rows}")
-    n_parts = parts
-    need(out, name + " out", rows * E * n_parts)
+    need(out, name + " out", rows * E)
     need(w, f"{name} norm", hc * E)
     for a, what in ((R, "R"), (xn, "xn")):
         need(a, f"{name} {what}", rows * hc * E)
-    return Launch(fn, name, (hc, rows), (1024,), 0, [P(R), P(inj_raw), P(out), I(n_parts), I(E), P(w), P(xn), I(E),
-                                                     I(hc), F(eps)])
+    return Launch(fn, name, (hc, rows), (1024,), 0, [P(R), P(inj_raw), P(out), P(w), P(xn), I(E), I(hc), F(eps)])
 
 
 def lo_act_launch(fn, name: str, lo_raw: DevArray, lo: DevArray, rows: int, r: int, hc: int) -> Launch:
@@ -96,31 +90,16 @@ def up_mix_geoms(rb: int, hc: int, E: int):
 
 
 def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mixed: DevArray, hc: int,
-                  E: int, geom=None, *, inj: DevArray | None = None, parts: int | None = None) -> Launch:
-    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]. lo_raw is (r,), or (n, r + hc)
-    when the down projection and the inject logits come as partial sums over column ranges (gemv.py Job.cols: the
-    first `parts` (default n) are summed in order, the inject's into `inj` when it is given). `geom` replaces
-    up_mix_geometry's pick (its RR must be hc: bench/gpu_check.py's sweep)."""
+                  E: int, geom=None) -> Launch:
+    """mixed[e] = mean_s sigmoid(up[s*E + e] . silu(lo_raw / hc)) * xn[s, e]. `geom` replaces up_mix_geometry's
+    pick (its RR must be hc: bench/gpu_check.py's sweep)."""
     r = up.n_in
     if up.n_out != hc * E or up.qtype not in KERNEL_TYPES or up.row_bytes != device_row_bytes(up.qtype, r):
         raise ValueError(f"{name}: up matrix '{up.buf.name}' is {up.n_out}x{r} (type {up.qtype}), needs "
                          f"{hc * E} rows in a kernel format")
     if not 1 <= hc <= MAX_HC:
         raise ValueError(f"{name}: {hc} streams; up_mix takes at most {MAX_HC}")
-    if lo_raw.shape == (r,):
-        n_parts, stride = 1, r
-    elif len(lo_raw.shape) == 2 and lo_raw.shape[1] == r + hc:
-        n_parts, stride = lo_raw.shape
-    else:
-        raise ValueError(f"{name}: lo '{lo_raw.name}' is {lo_raw.shape}, needs ({r},) or (parts, {r + hc})")
-    if parts is not None:
-        if not 1 <= parts <= n_parts:
-            raise ValueError(f"{name}: {parts} parts of lo '{lo_raw.name}', which holds {n_parts}")
-        n_parts = parts
-    if inj is not None:
-        if stride != r + hc:
-            raise ValueError(f"{name}: inject logits come with the parts of lo, (parts, {r + hc})")
-        need(inj, name + " inject", hc)
+    need(lo_raw, name + " lo", r)
     need(xn, name + " xn", hc * E)
     need(mixed, name + " mixed", E)
     g = geom or up_mix_geometry(up.qtype, r, up.row_bytes, hc, E)
@@ -129,5 +108,4 @@ def up_mix_launch(fn, name: str, up: DevMat, lo_raw: DevArray, xn: DevArray, mix
     ne = min(g.groups, E)
     smem = tile_smem(*([ne * up.row_bytes] * hc)) + (r + 7) // 8 * 8 * 4 + 16
     return Launch(fn, name, (-(-E // g.groups),), (g.nt,), smem,
-                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), I(n_parts), I(stride),
-                   P(inj), P(xn), P(mixed), I(E), I(hc), I(g.word)])
+                  [P(up), I(up.qtype), I(up.row_bytes), I(r), P(lo_raw), P(xn), P(mixed), I(E), I(hc), I(g.word)])

@@ -1254,5 +1254,3 @@ __device__ __forceinline__ int geom_tpg(int geom) { return 1 << (geom & 15); }
 __device__ __forceinline__ int geom_rr(int geom) { return (geom >> 4) & 7; }
 // bit 7: the job takes the f32 path whatever its format (gemv.py GEMV_INT_ROWS)
 __device__ __forceinline__ bool geom_f32(int geom) { return (geom >> 7) & 1; }
-// bit 8: gemv_jobs' sliced job (gemv.py Job.cols): a column range of each row, tiles of at most 4 rows
-__device__ __forceinline__ bool geom_sliced(int geom) { return (geom >> 8) & 1; }
