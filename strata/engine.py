@@ -24,8 +24,8 @@ import numpy as np
 
 from strata.host.backend import Backend, BudgetTooSmall, CpuBackend
 from strata.host.direct_io import ram_bytes
-from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError,
-                                   Finished, HostConfig, PollPolicy, Progress, Scheduler, Timings, TokenOut)
+from strata.host.scheduler import (STEP_TOKENS, STEP_TOKENS_VRAM, EngineClosed, EngineError, Finished, HostConfig,
+                                   PollPolicy, Progress, Scheduler, Timings, TokenOut)
 from strata.host.trace import Tracer
 from strata.model.loader import Model, load_model
 from strata.reference.model import RefModel, StageDump

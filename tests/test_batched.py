@@ -257,9 +257,7 @@ def test_default_step_falls_back_when_the_budget_is_short(tiny_gguf, monkeypatch
     import strata.cuda.backend as cb
     from strata.engine import make_backend
     from strata.host.backend import BudgetTooSmall
-    tried = []
-
-    fits = 512
+    tried, fits = [], 512
 
     class Fake:
         def __init__(self, model, *, step_tokens, **kw):
