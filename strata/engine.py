@@ -61,7 +61,7 @@ class Chunk:
     logprobs: TokenLogprobs | None = None     # the token's, when SamplingParams.logprobs asks
 
 
-def step_tokens(host: HostConfig, cuda_experts: str) -> int:
+def step_tokens(host: HostConfig) -> int:
     """The CUDA backend's largest step: HostConfig.step_tokens, or by default 4096 rows (STEP_TOKENS_VRAM) with
     every weight in VRAM and under a budget alike. Under a budget each chunk streams every layer's experts once
     whatever its rows (4096-row chunks measured 2.3x the prefill of 512-row ones at 4K, bench/RESULTS.md
@@ -107,7 +107,7 @@ def make_backend(backend: str | Backend, model: Model, host: HostConfig) -> Back
                                max_ctx=host.max_ctx, doorbell_timeout_s=host.poll.timeout_s,
                                budget_counts_device=True, step_tokens=min(rows, host.max_ctx),
                                mapped_reads=host.mapped_reads, prefetch_extra=host.prefetch_extra, log=log)
-        rows = step_tokens(host, experts)
+        rows = step_tokens(host)
         try:
             while True:
                 try:

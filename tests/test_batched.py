@@ -221,8 +221,8 @@ async def test_default_step_tokens(tiny_gguf):
     from strata.engine import step_tokens
     from strata.host.scheduler import STEP_TOKENS, STEP_TOKENS_VRAM
     assert (STEP_TOKENS, STEP_TOKENS_VRAM) == (512, 4096)
-    assert step_tokens(HostConfig(), "vram") == 4096 and step_tokens(HostConfig(), "host") == 4096
-    assert step_tokens(HostConfig(step_tokens=96), "vram") == 96
+    assert step_tokens(HostConfig()) == 4096
+    assert step_tokens(HostConfig(step_tokens=96)) == 96
     with pytest.raises(ValueError, match="at least one token"):
         HostConfig(step_tokens=0)
     async with await Engine.open(tiny_gguf) as e:
