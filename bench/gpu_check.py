@@ -978,6 +978,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="gemv phase: time every tile geometry of each matrix")
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
+    ap.add_argument("--expert-geom", default="",
+                    help="every phase: the routed experts' tile geometry as TPG,RR/TPG,RR (gate/up, down) in place of "
+                         "the time model's pick, to time the whole-token graph with another tile size")
     ap.add_argument("--tokens", type=int, default=1, help="profile phase: whole-token graphs profiled")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     ap.add_argument("--model", type=Path, default=FLASH,
@@ -987,6 +990,18 @@ def main() -> None:
                          "changes which experts run, not how many)")
     a = ap.parse_args()
     FLASH, ROUTING = a.model.resolve(), a.routing
+    if a.expert_geom:
+        from strata.kernels import moe as kmoe
+        from strata.kernels.gemv import CTA_THREADS, Geom
+        try:
+            gs = tuple(Geom(*(int(v) for v in part.split(",")), CTA_THREADS) for part in a.expert_geom.split("/"))
+        except (TypeError, ValueError):
+            raise SystemExit(f"--expert-geom '{a.expert_geom}': give TPG,RR/TPG,RR, e.g. 64,3/8,4") from None
+        if len(gs) != 2:
+            raise SystemExit(f"--expert-geom '{a.expert_geom}': two geometries, gate/up then down")
+        kmoe.expert_geometry = lambda cfg, bank: gs
+        say(f"routed experts' geometry: gate/up {gs[0].rows}-row tiles (tpg {gs[0].tpg}, rr {gs[0].rr}), "
+            f"down {gs[1].rows}-row tiles (tpg {gs[1].tpg}, rr {gs[1].rr})")
     os.environ.setdefault("STRATA_CACHE", str(ROOT / ".cache"))
     phases = ["kernels"] if a.kernels_only else [p.strip() for p in a.phases.split(",") if p.strip()]
     try:
