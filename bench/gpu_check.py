@@ -979,8 +979,9 @@ def main() -> None:
     ap.add_argument("--once", action="store_true",
                     help="gemv phase: each matrix's launch once, eagerly, untimed (run under ncu: bench/gpu_ncu.sh)")
     ap.add_argument("--expert-geom", default="",
-                    help="every phase: the routed experts' tile geometry as TPG,RR/TPG,RR (gate/up, down) in place of "
-                         "the time model's pick, to time the whole-token graph with another tile size")
+                    help="every phase but tests (a pytest process of its own): the routed experts' tile geometry "
+                         "as TPG,RR/TPG,RR (gate/up, down) in place of the time model's pick, to time the whole-token "
+                         "graph with another tile size")
     ap.add_argument("--tokens", type=int, default=1, help="profile phase: whole-token graphs profiled")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     ap.add_argument("--model", type=Path, default=FLASH,
@@ -994,11 +995,14 @@ def main() -> None:
         from strata.kernels import moe as kmoe
         from strata.kernels.gemv import CTA_THREADS, Geom
         try:
-            gs = tuple(Geom(*(int(v) for v in part.split(",")), CTA_THREADS) for part in a.expert_geom.split("/"))
-        except (TypeError, ValueError):
-            raise SystemExit(f"--expert-geom '{a.expert_geom}': give TPG,RR/TPG,RR, e.g. 64,3/8,4") from None
-        if len(gs) != 2:
-            raise SystemExit(f"--expert-geom '{a.expert_geom}': two geometries, gate/up then down")
+            pairs = [tuple(int(v) for v in part.split(",")) for part in a.expert_geom.split("/")]
+        except ValueError:
+            pairs = []
+        if len(pairs) != 2 or any(len(p) != 2 or not 4 <= p[0] <= CTA_THREADS or p[0] & (p[0] - 1)
+                                  or not 1 <= p[1] <= 4 for p in pairs):
+            raise SystemExit(f"--expert-geom '{a.expert_geom}': give TPG,RR/TPG,RR (gate/up, down), TPG a power "
+                             f"of 2 from 4 to {CTA_THREADS}, RR 1 to 4; e.g. 64,4/8,4")
+        gs = tuple(Geom(tpg, rr, CTA_THREADS) for tpg, rr in pairs)
         kmoe.expert_geometry = lambda cfg, bank: gs
         say(f"routed experts' geometry: gate/up {gs[0].rows}-row tiles (tpg {gs[0].tpg}, rr {gs[0].rr}), "
             f"down {gs[1].rows}-row tiles (tpg {gs[1].tpg}, rr {gs[1].rr})")
