@@ -11,10 +11,7 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
-if [ -n "${MODEL:-}" ]; then
-    make_flash "$MODEL"
-    make_pid=$!
-fi
+[ -n "${MODEL:-}" ] && make_flash "$MODEL"
 python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "qsa" 2>&1 | tail -4
 if [ -n "${MODEL:-}" ]; then
     timeout "${TEST_S:-240}" python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py -k "${BTESTS:-batched or chunk}" \
@@ -38,12 +35,14 @@ if [ -n "${BASE:-}" ]; then
         | grep "qsa \|Error\|error") && cp /tmp/qsa_base/gpu_check.json "$out/qsa_base.json"
 fi
 if [ -n "${MODEL:-}" ]; then
-    [ -f "$MODEL" ] || wait $make_pid || { tail -5 "$out/make_model.log"; exit 1; }
+    wait                              # the model file, when it is being made
+    [ -f "$MODEL" ] || { tail -5 "$out/make_model.log"; exit 1; }
     model=$(realpath "$MODEL")
     for tree in . ${TREE:-}; do
         echo "== prefill: $tree"
+        log="$out/prefill_$(basename "$(realpath "$tree")").log"
         (cd "$tree" && STRATA_CACHE="$PWD/.cache" python3 bench/bench_prefill_gpu.py --model "$model" --chunks 4096 \
-            --tokens 8192 --launches 12) > "$out/prefill_$(basename "$(realpath "$tree")").log" 2>&1
-        grep -E "graph|qsa_attn|tok/s|Error" "$out/prefill_$(basename "$(realpath "$tree")").log" | head -12
+            --tokens 8192 --launches 12) > "$log" 2>&1
+        grep -E "graph|qsa_attn|tok/s|Error" "$log" | head -12
     done
 fi

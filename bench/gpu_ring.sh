@@ -12,7 +12,8 @@ source bench/gpu_env.sh || exit 1
 model=${MODEL:-models/flash-realistic.gguf}
 ring=${RING:-build/ring}
 make_flash "$model"
-[ -f "$model" ] || wait $! || { tail -5 "$out/make_model.log"; exit 1; }
+wait
+[ -f "$model" ] || { tail -5 "$out/make_model.log"; exit 1; }
 model=$(realpath "$model")
 n=0
 step() {   # step LABEL DIR ARGS...: gpu_check.py in DIR on the flash file
