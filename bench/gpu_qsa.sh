@@ -2,12 +2,25 @@
 # QSA attention on the GPU machine, one call: the QSA kernel tests, then bench/gpu_check.py's qsa phase for this
 # tree's kernels under each set of compile-time defines in VARIANTS (';'-separated; the first is the default build),
 # and, when BASE names a `git archive` tarball of another commit, for that commit's kernels (its qsa.cu and qsa.py
-# under this tree's bench phase). Results: $OUT/qsa_<n>.json.
+# under this tree's bench phase). Results: $OUT/qsa_<n>.json. With MODEL set (the flash file, made while the tests
+# run when missing), the batched step's GPU tests too, then a 4096-row chunk's whole graph and stages every weight in
+# VRAM (bench_prefill_gpu.py) in this tree and, when TREE names another tree of the repository (`git archive`
+# unpacked under build/ and carried), in that one: $OUT/prefill_<tree>.log.
 #   BASE=.cache/head.tgz VARIANTS=";QSA_HW=4" bash bench/gpu_qsa.sh
+#   MODEL=models/flash-realistic.gguf TREE=build/base VARIANTS=";QSA_TC_STAGES=3" bash bench/gpu_qsa.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
+if [ -n "${MODEL:-}" ]; then
+    make_flash "$MODEL"
+    make_pid=$!
+fi
 python3 -m pytest -q -rs -m gpu tests/test_cuda_kernels.py -k "qsa" 2>&1 | tail -4
+if [ -n "${MODEL:-}" ]; then
+    timeout "${TEST_S:-240}" python3 -m pytest -q -rs -m gpu tests/test_cuda_backend.py -k "${BTESTS:-batched or chunk}" \
+        > "$out/gpu_tests.log" 2>&1
+    grep -E "FAILED|passed|failed" "$out/gpu_tests.log" | tail -8
+fi
 n=0
 IFS=';' read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
@@ -23,4 +36,14 @@ if [ -n "${BASE:-}" ]; then
     cp -r strata/model/synth.py /tmp/base/strata/model/ && cp bench/gpu_check.py /tmp/base/bench/
     (cd /tmp/base && STRATA_CACHE=/tmp/base/.cache OUT=/tmp/qsa_base python3 bench/gpu_check.py --phases qsa 2>&1 \
         | grep "qsa \|Error\|error") && cp /tmp/qsa_base/gpu_check.json "$out/qsa_base.json"
+fi
+if [ -n "${MODEL:-}" ]; then
+    [ -f "$MODEL" ] || wait $make_pid || { tail -5 "$out/make_model.log"; exit 1; }
+    model=$(realpath "$MODEL")
+    for tree in . ${TREE:-}; do
+        echo "== prefill: $tree"
+        (cd "$tree" && STRATA_CACHE="$PWD/.cache" python3 bench/bench_prefill_gpu.py --model "$model" --chunks 4096 \
+            --tokens 8192 --launches 12) > "$out/prefill_$(basename "$(realpath "$tree")").log" 2>&1
+        grep -E "graph|qsa_attn|tok/s|Error" "$out/prefill_$(basename "$(realpath "$tree")").log" | head -12
+    done
 fi
