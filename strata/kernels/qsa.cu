@@ -562,15 +562,34 @@ extern "C" __global__ void __launch_bounds__(32 * QSA_TC_W)
     __syncthreads();
     const bool vec = (D & 3) == 0;
     const int step_f = vec ? 4 : 1, per_cell = 2 * D / step_f;     // copies a cell: its K row, then its V row
+    // The thread's copy plan, fixed for the kernel (the copies' addressing was most of a round's instructions):
+    // copy e of cells u0, u0 + ustep, ...; threads past ustep x per_cell copy nothing. A cell of more copies than
+    // threads (D % 4 != 0 past 128 dims) takes the general loop.
+    const bool plan = per_cell <= (int)blockDim.x;
+    const int ustep = plan ? (int)blockDim.x / per_cell : 1, u0 = plan ? (int)threadIdx.x / per_cell : QSA_TC_C;
+    const int e0 = plan ? ((int)threadIdx.x - u0 * per_cell) * step_f : 0, kv0 = e0 >= D, d0 = e0 - kv0 * D;
+    const float* src0 = (kv0 ? Vc : Kc) + (size_t)kvh * D + d0;
+    float* dst0 = (kv0 ? vbuf : kbuf) + d0;
+    const int stride0 = kv0 ? SV : SK;
+    const size_t cell_stride = (size_t)Hkv * D;
     auto issue = [&](int r) {
         if (r < rounds) {
-            float* ks = kbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SK;
-            float* vs = vbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SV;
-            for (int i = threadIdx.x; i < QSA_TC_C * per_cell; i += blockDim.x) {    // every thread, any D
-                const int u = i / per_cell, e = (i - u * per_cell) * step_f, kv = e >= D, d = e - kv * D;
-                const int c = cells[min(r * QSA_TC_C + u, n_mine - 1)];   // past the end: the last cell (weight 0)
-                cp_async_f(kv ? vs + u * SV + d : ks + u * SK + d, (kv ? Vc : Kc) + ((size_t)c * Hkv + kvh) * D + d,
-                           vec);
+            if (plan) {
+                float* dst = dst0 + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * stride0;
+                if (u0 < ustep)
+                    for (int u = u0; u < QSA_TC_C; u += ustep) {
+                        const int c = cells[min(r * QSA_TC_C + u, n_mine - 1)];   // past the end: the last cell
+                        cp_async_f(dst + u * stride0, src0 + c * cell_stride, vec);
+                    }
+            } else {
+                float* ks = kbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SK;
+                float* vs = vbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SV;
+                for (int i = threadIdx.x; i < QSA_TC_C * per_cell; i += blockDim.x) {
+                    const int u = i / per_cell, e = (i - u * per_cell) * step_f, kv = e >= D, d = e - kv * D;
+                    const int c = cells[min(r * QSA_TC_C + u, n_mine - 1)];
+                    cp_async_f(kv ? vs + u * SV + d : ks + u * SK + d, (kv ? Vc : Kc) + c * cell_stride + kvh * D + d,
+                               vec);
+                }
             }
         }
         cp_async_commit();
