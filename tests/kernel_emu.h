@@ -187,15 +187,6 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
     __syncwarp();
 }
 
-// cvt.rna.tf32.f32: to 10 mantissa bits, ties away from zero (adding half an ulp to the magnitude's bits), the low
-// 13 bits zero; NaN and infinity pass
-inline unsigned emu_tf32(float v) {
-    unsigned u;
-    std::memcpy(&u, &v, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u) return u;
-    return (u + 0x1000u) & 0xffffe000u;
-}
-
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][t] (a0),
 // A[g+8][t] (a1), A[g][t+4] (a2), A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); C as in m16n8k16. The hardware
 // reads the operands' top 19 bits; their products are exact in float; the sum runs over k in order.

@@ -488,19 +488,14 @@ extern "C" __global__ void __launch_bounds__(256) qsa_attn(const float* __restri
 #define QSA_TC_TPH (2 * QSA_TC_W)    // the softmax's threads a head, QSA_TC_C / QSA_TC_TPH cells each
 static_assert(QSA_TC_W == 4 || QSA_TC_W == 8, "qsa_attn_tc: 4 or 8 warps");
 
-__device__ __forceinline__ u32 tf32_of(float v) {
-#ifdef __CUDACC__
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return r;
-#else
-    return emu_tf32(v);
-#endif
-}
-
+// v as hi + lo: hi rounded to TF32's 10 mantissa bits by integer operations (half an ulp added to the magnitude's
+// bits, the low 13 cleared: cvt.rna.tf32's result, without the conversion unit, whose quarter rate the splits of
+// every K and V element would queue on), lo = v - hi exactly in f32, passed whole: the MMA reads its top 19 bits,
+// so lo keeps ~10 bits below hi's and the pair ~21 of v. A finite v near FLT_MAX may round hi to infinity (lo then
+// NaN), as it would overflow the scores anyway.
 __device__ __forceinline__ void tf32_split(float v, u32& hi, u32& lo) {
-    hi = tf32_of(v);
-    lo = tf32_of(v - __uint_as_float(hi));
+    hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(v - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
