@@ -620,15 +620,19 @@ extern "C" __global__ void __launch_bounds__(32 * QSA_TC_W)
         const float* vs = vbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SV;
         // two chains of MMAs a cell tile (even and odd k-steps): each MMA waits for the one before it in its chain
         float s2[2][2][4] = {};
+        // one ldmatrix a k-step gives both cell tiles' B fragments: matrix m of lane L's address is cells
+        // 8 (m >> 1) + L % 8, dims + 4 (m & 1); word i comes back as K[cell g (+8)][dim t (+4)]
+        const u32 kaddr = smem_addr(ks + ((lane & 7) + 8 * (lane >> 4)) * SK + dw + 4 * ((lane >> 3) & 1));
 #pragma unroll
         for (int j = 0; j < QSA_TC_KS; j++) {
             if (j < ksn) {
+                u32 kw[4];
+                ldsm4(kaddr + 32 * j, kw);
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
-                    const float* kr = ks + (8 * n + g) * SK + dw + 8 * j + t;
                     u32 bh[2], bl[2];
-                    tf32_split(kr[0], bh[0], bl[0]);
-                    tf32_split(kr[4], bh[1], bl[1]);
+                    tf32_split(__uint_as_float(kw[2 * n]), bh[0], bl[0]);
+                    tf32_split(__uint_as_float(kw[2 * n + 1]), bh[1], bl[1]);
                     mma_tf32x3(s2[n][j & 1], qh[j], ql[j], bh, bl);
                 }
             }
