@@ -491,9 +491,8 @@ static_assert(QSA_TC_W == 4 || QSA_TC_W == 8, "qsa_attn_tc: 4 or 8 warps");
 // v as hi + lo: hi rounded to TF32's 10 mantissa bits by integer operations (half an ulp added to the magnitude's
 // bits, the low 13 cleared: cvt.rna.tf32's result without a conversion instruction, which the CUDA guide rates at
 // 16 a clock per multiprocessor against 64 for integer adds and logic, under every K and V element), lo = v - hi
-// exactly in f32, passed whole: the MMA reads its top 19 bits,
-// so lo keeps ~10 bits below hi's and the pair ~21 of v. A finite v near FLT_MAX may round hi to infinity (lo then
-// NaN), as it would overflow the scores anyway.
+// exactly in f32, passed whole: the MMA reads its top 19 bits, so lo keeps ~10 bits below hi's and the pair ~21
+// of v. A finite v near FLT_MAX may round hi to infinity (lo then NaN), as it would overflow the scores anyway.
 __device__ __forceinline__ void tf32_split(float v, u32& hi, u32& lo) {
     hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(v - __uint_as_float(hi));
