@@ -494,18 +494,21 @@ def phase_qsa() -> None:
         w = np.zeros(16, np.int32)
         w[1], w[3], w[4] = pos, rows, 1
         step.upload(w)
-        launches = [kqsa.attn_launch(K.fn("qsa", "qsa_attn"), "attn", cfg, il, q, Kc, Vc, sel, meta, part, step,
-                                     max_ctx, nsplit, rows, ld),
-                    kqsa.combine_launch(K.fn("qsa", "qsa_combine"), "combine", cfg, part, qg, att, nsplit, step, rows)]
-        times = {name: graph_ms(f"qsa {label}", stream, ls)
-                 for name, ls in (("attn", launches[:1]), ("attn+combine", launches))}
-        cells = int(m_host[:, 1].sum())
-        gflop = 4 * cells * H * D / 1e9          # q.k and p.v, 2 flops a multiply-add
-        out.append({"label": label, "rows": rows, "nsplit": nsplit, "cells": cells, "attn_ms": times["attn"],
-                    "attn_combine_ms": times["attn+combine"], "tflops": gflop / times["attn"],
-                    "block": launches[0].block[0]})
-        say(f"qsa {label}: attn {times['attn']:.3f} ms ({out[-1]['tflops']:.2f} TFLOP/s fp32), with combine "
-            f"{times['attn+combine']:.3f} ms; {launches[0].block[0]} threads a CTA")
+        for tc in (False, True) if rows > 1 else (False,):      # the batched step's tensor-core kernel too
+            kern = "qsa_attn_tc" if tc else "qsa_attn"
+            launches = [kqsa.attn_launch(K.fn("qsa", kern), "attn", cfg, il, q, Kc, Vc, sel, meta, part, step,
+                                         max_ctx, nsplit, rows, ld, tc=tc),
+                        kqsa.combine_launch(K.fn("qsa", "qsa_combine"), "combine", cfg, part, qg, att, nsplit, step,
+                                            rows)]
+            times = {name: graph_ms(f"qsa {label} {kern}", stream, ls)
+                     for name, ls in (("attn", launches[:1]), ("attn+combine", launches))}
+            cells = int(m_host[:, 1].sum())
+            gflop = 4 * cells * H * D / 1e9          # q.k and p.v, 2 flops a multiply-add
+            out.append({"label": label, "kernel": kern, "rows": rows, "nsplit": nsplit, "cells": cells,
+                        "attn_ms": times["attn"], "attn_combine_ms": times["attn+combine"],
+                        "tflops": gflop / times["attn"], "block": launches[0].block[0]})
+            say(f"qsa {label}, {kern}: attn {times['attn']:.3f} ms ({out[-1]['tflops']:.2f} TFLOP/s of f32 "
+                f"products), with combine {times['attn+combine']:.3f} ms; {launches[0].block[0]} threads a CTA")
     A.free()
     stream.destroy()
     RESULTS.setdefault("qsa", []).append({"defines": os.environ.get("STRATA_KERNEL_DEFINES", ""), "rows": out})

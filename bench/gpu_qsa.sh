@@ -7,7 +7,7 @@
 # VRAM (bench_prefill_gpu.py) in this tree and, when TREE names another tree of the repository (`git archive`
 # unpacked under build/ and carried), in that one: $OUT/prefill_<tree>.log.
 #   BASE=.cache/head.tgz VARIANTS=";QSA_HW=4" bash bench/gpu_qsa.sh
-#   MODEL=models/flash-realistic.gguf TREE=build/base bash bench/gpu_qsa.sh
+#   MODEL=models/flash-realistic.gguf TREE=build/base VARIANTS=";QSA_TC_STAGES=3" bash bench/gpu_qsa.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1

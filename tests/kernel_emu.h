@@ -187,6 +187,29 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
     __syncwarp();
 }
 
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][t] (a0),
+// A[g+8][t] (a1), A[g][t+4] (a2), A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); C as in m16n8k16. The hardware
+// reads the operands' top 19 bits; their products are exact in float; the sum runs over k in order.
+inline void emu_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
+    const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
+    unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
+    for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
+    F[6 * l + 4] = b[0];
+    F[6 * l + 5] = b[1];
+    __syncwarp();
+    auto val = [&](int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & 0xffffe000u); };
+    auto A = [&](int row, int k) { return val(4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); };
+    auto B = [&](int k, int n) { return val(4 * n + (k & 3), 4 + (k >> 2)); };
+    const int g = l / 4, tt = l % 4;
+    for (int j = 0; j < 4; j++) {
+        const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
+        float acc = c[j];
+        for (int k = 0; k < 8; k++) acc += A(row, k) * B(k, n);
+        c[j] = acc;
+    }
+    __syncwarp();
+}
+
 // wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by
 // the 128 threads of a warpgroup: each thread's accumulator fragment is d[4j + e] = D[16 w + g + 8 (e >> 1)][8 j
 // + 2 t + (e & 1)] (w its warp in the group, g = lane / 4, t = lane % 4). Kept until the wait, as the hardware may:

@@ -692,13 +692,16 @@ def test_qsa_layer(rig, geom):
 
 
 @both_rigs
-@pytest.mark.parametrize("H,Hkv,D,nsplit", [(24, 2, 256, 2), (4, 2, 24, 1), (40, 2, 18, 3)],
-                         ids=["flash-heads", "D24", "group20-D18"])
-def test_qsa_attn_cells(rig, H, Hkv, D, nsplit):
-    """qsa_attn and qsa_combine alone over long cell lists (10-60 rounds of 8 cells a split, so the softmax's
-    running maximum moves between rounds), two rows at different positions, each its own selected blocks and
-    incomplete tail, against float64 attention over the same cells; D = 18 copies 4 bytes at a time, 20 heads a kv
-    head take 5 warps."""
+@pytest.mark.parametrize("H,Hkv,D,nsplit", [(24, 2, 256, 2), (4, 2, 24, 1), (40, 2, 18, 3), (4, 1, 130, 2)],
+                         ids=["flash-heads", "D24", "group20-D18", "D130"])
+@pytest.mark.parametrize("tc", [False, True], ids=["fma", "tc"])
+def test_qsa_attn_cells(rig, H, Hkv, D, nsplit, tc):
+    """qsa_attn (the token's) or qsa_attn_tc (the batched step's, tensor cores) and qsa_combine alone over long cell
+    lists (10-60 rounds of 8 cells a split, so the softmax's running maximum moves between rounds), two rows at
+    different positions, each its own selected blocks and incomplete tail, against float64 attention over the same
+    cells; D = 18 copies 4 bytes at a time, 20 heads a kv head take 5 warps (qsa_attn) or two CTAs of 16 heads, the
+    second 4 of them (qsa_attn_tc), D = 18 and 24 leave padded dims in qsa_attn_tc's k-steps, and D = 130 (4-byte
+    copies, more a cell than qsa_attn_tc has threads) takes its general copy loop."""
     rng = np.random.default_rng(H + D)
     ratio, max_ctx, rows, pos = 4, 1024, 2, 700
     cfg = cfg_tiny(n_head=H, n_head_kv=Hkv, head_dim=D, n_rot=8, idx_budget=512, compress_ratios=(0, 0, 0, ratio))
@@ -725,8 +728,8 @@ def test_qsa_attn_cells(rig, H, Hkv, D, nsplit):
                         step=rig.buf("step", (STEP_N,), np.int32, step_words(pos=pos, rows=rows)))
     rig.commit()
     rig.poison(b.part, b.y)
-    rig.run(kqsa.attn_launch(rig.k.fn("qsa", "qsa_attn"), "attn", cfg, il, b.q, b.Kc, b.Vc, b.sel, b.meta, b.part,
-                             b.step, max_ctx, nsplit, rows, ld),
+    rig.run(kqsa.attn_launch(rig.k.fn("qsa", "qsa_attn_tc" if tc else "qsa_attn"), "attn", cfg, il, b.q, b.Kc,
+                             b.Vc, b.sel, b.meta, b.part, b.step, max_ctx, nsplit, rows, ld, tc=tc),
             kqsa.combine_launch(rig.k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.y, nsplit, b.step,
                                 rows))
     got = b.y.download().reshape(rows, H, D)

@@ -47,6 +47,27 @@ __device__ __forceinline__ void cp_async_n(int dst, const u8* src) {
 __device__ __forceinline__ void cp_async16(int dst, const u8* src) { cp_async_n<16>(dst, src); }
 __device__ __forceinline__ void cp_async4(int dst, const u8* src) { cp_async_n<4>(dst, src); }
 
+// a shared-memory address as the 32-bit offset ldmatrix and cp.async take
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+#ifdef __CUDACC__
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(p));
+    return d;
+#else
+    return emu_smem_addr(p);
+#endif
+}
+
+__device__ __forceinline__ void ldsm4(u32 addr, u32* r) {
+#ifdef __CUDACC__
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#else
+    emu_ldsm4(addr, r);
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef __CUDACC__
     asm volatile("cp.async.commit_group;" ::: "memory");

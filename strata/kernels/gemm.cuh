@@ -91,26 +91,6 @@ __device__ __forceinline__ int f16_shift(float m) {
     return m > 0.0f ? max(-126, min(126, 141 - ((__float_as_int(m) >> 23) & 255))) : 0;
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-#ifdef __CUDACC__
-    u32 d;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(p));
-    return d;
-#else
-    return emu_smem_addr(p);
-#endif
-}
-
-__device__ __forceinline__ void ldsm4(u32 addr, u32* r) {
-#ifdef __CUDACC__
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-#else
-    emu_ldsm4(addr, r);
-#endif
-}
-
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
 #ifdef __CUDACC__
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

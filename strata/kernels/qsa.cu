@@ -464,6 +464,269 @@ extern "C" __global__ void __launch_bounds__(256) qsa_attn(const float* __restri
     }
 }
 
+// qsa_attn_tc: qsa_attn's function for the batched step's rows, on the tensor cores. qsa_attn runs on the FMA
+// pipes and issues ~3x its multiply-adds in shuffles and softmax bookkeeping (13.8 ms a layer for a 4096-row chunk
+// past the budget, H200: instruction-bound); here a CTA takes 16 query heads of one kv head (grid.x = Hkv x
+// ceil(group / 16)) and computes S = Q K^T and O += P V over rounds of 16 cells with mma.sync m16n8k8 in 3xTF32:
+// each f32 operand is split as hi = tf32(v), lo = tf32(v - hi), and lo*hi + hi*lo + hi*hi keep ~22 bits of every
+// product (a plain TF32 product, ~1e-3, would move the output past the batched path's 1e-5). TF32 keeps f32's
+// exponent, so unlike the GEMM's 3xFP16 no operand needs scaling. Each of the QSA_TC_W warps owns a slice of the
+// (padded) head dims for both products: its Q fragments stay in registers, its partial scores meet the others' in
+// shared memory, and its O accumulators are its dims of the 16 heads. A round's P V goes into zeroed registers and
+// is added to O in f32 after O is rescaled (O = O corr + PV): the tensor cores' accumulation truncates, and 128
+// rounds into one accumulator would drift. The partials, the cell list and the split are qsa_attn's, so
+// qsa_combine merges either. Dims are padded to 8 a warp (zeros in shared memory and q); the staged rows'
+// strides (Dp + 4 for K, Dp + 8 for V) make the B-fragment reads of both products free of bank conflicts.
+#ifndef QSA_TC_STAGES
+#define QSA_TC_STAGES 2   // rounds of K/V in shared memory (one computing, the rest arriving)
+#endif
+#ifndef QSA_TC_W
+#define QSA_TC_W 8        // warps a CTA, each a slice of Dp / QSA_TC_W dims
+#endif
+#define QSA_TC_C 16       // cells a round
+#define QSA_TC_KS (32 / QSA_TC_W)    // k-steps of 8 dims a warp at most: D up to 256
+#define QSA_TC_TPH (2 * QSA_TC_W)    // the softmax's threads a head, QSA_TC_C / QSA_TC_TPH cells each
+static_assert(QSA_TC_W == 4 || QSA_TC_W == 8, "qsa_attn_tc: 4 or 8 warps");
+
+// v as hi + lo: hi rounded to TF32's 10 mantissa bits by integer operations (half an ulp added to the magnitude's
+// bits, the low 13 cleared: cvt.rna.tf32's result without a conversion instruction, which the CUDA guide rates at
+// 16 a clock per multiprocessor against 64 for integer adds and logic, under every K and V element), lo = v - hi
+// exactly in f32, passed whole: the MMA reads its top 19 bits, so lo keeps ~10 bits below hi's and the pair ~21
+// of v. A finite v near FLT_MAX may round hi to infinity (lo then NaN), as it would overflow the scores anyway.
+__device__ __forceinline__ void tf32_split(float v, u32& hi, u32& lo) {
+    hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(v - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
+#ifdef __CUDACC__
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    emu_mma_tf32(c, a, b);
+#endif
+}
+
+// c += A B in 3xTF32, the small cross terms first
+__device__ __forceinline__ void mma_tf32x3(float* c, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+    mma_tf32(c, al, bh);
+    mma_tf32(c, ah, bl);
+    mma_tf32(c, ah, bh);
+}
+
+// grid (Hkv * ceil(group / 16), nsplit, rows), block 32 QSA_TC_W; dynamic shared memory (strata/kernels/qsa.py
+// attn_tc_smem): QSA_TC_STAGES rounds of 16 K rows (stride Dp + 4), the same of V rows (Dp + 8), then the split's
+// cells (at most cap).
+extern "C" __global__ void __launch_bounds__(32 * QSA_TC_W)
+    qsa_attn_tc(const float* __restrict__ q, const float* __restrict__ Kc, const float* __restrict__ Vc,
+                const i32* __restrict__ sel, const i32* __restrict__ meta, float* part, const i32* __restrict__ step,
+                int H, int Hkv, int D, int ratio, int nsplit, int ld, int cap) {
+    __shared__ __align__(16) float sh_s[QSA_TC_W][16][QSA_TC_C + 1];   // each warp's partial scores (head, cell)
+    __shared__ __align__(16) float sh_p[16][QSA_TC_C + 4];      // the round's probabilities; stride 20: no conflicts
+    __shared__ float sh_c[16];                                  // each head's rescale of O this round
+    pdl_begin();
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int group = H / Hkv, mt = (group + 15) / 16, kvh = blockIdx.x / mt, hb = (blockIdx.x % mt) * 16;
+    const int h0 = kvh * group + hb, nh = min(16, group - hb), sp = blockIdx.y, row = blockIdx.z;
+    if (row >= step[STEP_T]) return;
+    const int Dp = (D + 8 * QSA_TC_W - 1) / (8 * QSA_TC_W) * (8 * QSA_TC_W), SK = Dp + 4, SV = Dp + 8;
+    const int ksn = Dp / (8 * QSA_TC_W), dw = w * (Dp / QSA_TC_W);
+    float* kbuf = (float*)SMEM;                                 // [stage][cell][SK]
+    float* vbuf = kbuf + QSA_TC_STAGES * QSA_TC_C * SK;         // [stage][cell][SV]
+    i32* cells = (i32*)(vbuf + QSA_TC_STAGES * QSA_TC_C * SV);
+    q += ((size_t)row * H + h0) * D;
+    sel += (size_t)row * ld;
+    meta += 2 * row;
+    part += (size_t)row * H * nsplit * (D + 2);
+    const int nb = (step[STEP_POS] + row + 1) / ratio, nsc = meta[0] * ratio, n_cells = meta[1];
+    const int per = (n_cells + nsplit - 1) / nsplit, i0 = sp * per, i1 = min(n_cells, i0 + per);
+    const int n_mine = max(0, min(i1 - i0, cap));
+    const int rounds = (n_mine + QSA_TC_C - 1) / QSA_TC_C;
+    for (int k = threadIdx.x; k < n_mine; k += blockDim.x) {
+        const int iu = i0 + k;
+        cells[k] = iu < nsc ? sel[iu / ratio] * ratio + iu % ratio : nb * ratio + (iu - nsc);
+    }
+    // the padded dims [D, Dp) of every staged row: the copies never write them
+    for (int i = threadIdx.x; i < QSA_TC_STAGES * QSA_TC_C * (Dp - D); i += blockDim.x) {
+        const int r = i / (Dp - D), d = D + i % (Dp - D);
+        kbuf[r * SK + d] = 0.0f;
+        vbuf[r * SV + d] = 0.0f;
+    }
+    __syncthreads();
+    const bool vec = (D & 3) == 0;
+    const int step_f = vec ? 4 : 1, per_cell = 2 * D / step_f;     // copies a cell: its K row, then its V row
+    // The thread's copy plan, fixed for the kernel (the copies' addressing was most of a round's instructions):
+    // copy e of cells u0, u0 + ustep, ...; threads past ustep x per_cell copy nothing. A cell of more copies than
+    // threads (D % 4 != 0 past 128 dims) takes the general loop.
+    const bool plan = per_cell <= (int)blockDim.x;
+    const int ustep = plan ? (int)blockDim.x / per_cell : 1, u0 = plan ? (int)threadIdx.x / per_cell : QSA_TC_C;
+    const int e0 = plan ? ((int)threadIdx.x - u0 * per_cell) * step_f : 0, kv0 = e0 >= D, d0 = e0 - kv0 * D;
+    const float* src0 = (kv0 ? Vc : Kc) + (size_t)kvh * D + d0;
+    float* dst0 = (kv0 ? vbuf : kbuf) + d0;
+    const int stride0 = kv0 ? SV : SK;
+    const size_t cell_stride = (size_t)Hkv * D;
+    auto issue = [&](int r) {
+        if (r < rounds) {
+            if (plan) {
+                float* dst = dst0 + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * stride0;
+                if (u0 < ustep)
+                    for (int u = u0; u < QSA_TC_C; u += ustep) {
+                        const int c = cells[min(r * QSA_TC_C + u, n_mine - 1)];   // past the end: the last cell
+                        cp_async_f(dst + u * stride0, src0 + c * cell_stride, vec);
+                    }
+            } else {
+                float* ks = kbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SK;
+                float* vs = vbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SV;
+                for (int i = threadIdx.x; i < QSA_TC_C * per_cell; i += blockDim.x) {
+                    const int u = i / per_cell, e = (i - u * per_cell) * step_f, kv = e >= D, d = e - kv * D;
+                    const int c = cells[min(r * QSA_TC_C + u, n_mine - 1)];
+                    cp_async_f(kv ? vs + u * SV + d : ks + u * SK + d, (kv ? Vc : Kc) + c * cell_stride + kvh * D + d,
+                               vec);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int r = 0; r < QSA_TC_STAGES - 1; r++) issue(r);
+    // this warp's Q fragments, scaled by 1/sqrt(D) (zeros past the group's heads and past D)
+    const float scale = 1.0f / sqrtf((float)D);
+    u32 qh[QSA_TC_KS][4], ql[QSA_TC_KS][4];
+#pragma unroll
+    for (int j = 0; j < QSA_TC_KS; j++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int hd = g + 8 * (i & 1), d = dw + 8 * j + t + 4 * (i >> 1);
+            const float v = j < ksn && hd < nh && d < D ? q[(size_t)hd * D + d] * scale : 0.0f;
+            tf32_split(v, qh[j][i], ql[j][i]);
+        }
+    }
+    float acc[QSA_TC_KS][4];
+#pragma unroll
+    for (int j = 0; j < QSA_TC_KS; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+    // the softmax's thread: head sh = tid / TPH, cells from sc = (tid % TPH) C / TPH; m and l the same on its TPH
+    // lanes (8 or 16, within a warp)
+    const int sh = threadIdx.x / QSA_TC_TPH, sc = (threadIdx.x % QSA_TC_TPH) * (QSA_TC_C / QSA_TC_TPH);
+    float m = -F_INF, l = 0.0f;
+    for (int r = 0; r < rounds; r++) {
+        issue(r + QSA_TC_STAGES - 1);
+        cp_async_wait_pending<QSA_TC_STAGES - 1>();
+        __syncthreads();
+        const float* ks = kbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SK;
+        const float* vs = vbuf + (size_t)(r % QSA_TC_STAGES) * QSA_TC_C * SV;
+        // two chains of MMAs a cell tile (even and odd k-steps): each MMA waits for the one before it in its chain
+        float s2[2][2][4] = {};
+        // one ldmatrix a k-step gives both cell tiles' B fragments: matrix m of lane L's address is cells
+        // 8 (m >> 1) + L % 8, dims + 4 (m & 1); word i comes back as K[cell g (+8)][dim t (+4)]
+        const u32 kaddr = smem_addr(ks + ((lane & 7) + 8 * (lane >> 4)) * SK + dw + 4 * ((lane >> 3) & 1));
+#pragma unroll
+        for (int j = 0; j < QSA_TC_KS; j++) {
+            if (j < ksn) {
+                u32 kw[4];
+                ldsm4(kaddr + 32 * j, kw);
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    u32 bh[2], bl[2];
+                    tf32_split(__uint_as_float(kw[2 * n]), bh[0], bl[0]);
+                    tf32_split(__uint_as_float(kw[2 * n + 1]), bh[1], bl[1]);
+                    mma_tf32x3(s2[n][j & 1], qh[j], ql[j], bh, bl);
+                }
+            }
+        }
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[n][e] = s2[n][0][e] + s2[n][1][e];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            sh_s[w][g][8 * n + 2 * t] = s[n][0];
+            sh_s[w][g][8 * n + 2 * t + 1] = s[n][1];
+            sh_s[w][g + 8][8 * n + 2 * t] = s[n][2];
+            sh_s[w][g + 8][8 * n + 2 * t + 1] = s[n][3];
+        }
+        __syncthreads();
+        {
+            constexpr int CPT = QSA_TC_C / QSA_TC_TPH;
+            float v[CPT], mx = -F_INF;
+#pragma unroll
+            for (int i = 0; i < CPT; i++) {
+                const int c = sc + i;
+                float x = 0.0f;
+#pragma unroll
+                for (int ww = 0; ww < QSA_TC_W; ww++) x += sh_s[ww][sh][c];
+                v[i] = r * QSA_TC_C + c < n_mine ? x : -F_INF;
+                mx = fmaxf(mx, v[i]);
+            }
+#pragma unroll
+            for (int b = QSA_TC_TPH / 2; b; b >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, b));
+            const float mn = fmaxf(m, mx), corr = expf(m - mn);
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CPT; i++) {
+                v[i] = expf(v[i] - mn);
+                sum += v[i];
+                sh_p[sh][sc + i] = v[i];
+            }
+#pragma unroll
+            for (int b = QSA_TC_TPH / 2; b; b >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, b);
+            m = mn;
+            l = fmaf(l, corr, sum);
+            if ((threadIdx.x & (QSA_TC_TPH - 1)) == 0) sh_c[sh] = corr;
+        }
+        __syncthreads();
+        float o[QSA_TC_KS][4];
+#pragma unroll
+        for (int j = 0; j < QSA_TC_KS; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[j][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < QSA_TC_C / 8; kk++) {
+            u32 ah[4], al[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) tf32_split(sh_p[g + 8 * (i & 1)][8 * kk + t + 4 * (i >> 1)], ah[i], al[i]);
+#pragma unroll
+            for (int j = 0; j < QSA_TC_KS; j++) {
+                if (j < ksn) {
+                    const float* vr = vs + (8 * kk + t) * SV + dw + 8 * j + g;
+                    u32 bh[2], bl[2];
+                    tf32_split(vr[0], bh[0], bl[0]);
+                    tf32_split(vr[4 * SV], bh[1], bl[1]);
+                    mma_tf32x3(o[j], ah, al, bh, bl);
+                }
+            }
+        }
+        const float c_lo = sh_c[g], c_hi = sh_c[g + 8];
+#pragma unroll
+        for (int j = 0; j < QSA_TC_KS; j++) {
+            acc[j][0] = fmaf(acc[j][0], c_lo, o[j][0]);
+            acc[j][1] = fmaf(acc[j][1], c_lo, o[j][1]);
+            acc[j][2] = fmaf(acc[j][2], c_hi, o[j][2]);
+            acc[j][3] = fmaf(acc[j][3], c_hi, o[j][3]);
+        }
+        __syncthreads();        // every warp is done with this stage and sh_s/sh_p/sh_c before the next round
+    }
+    // a launch this build cannot serve (more cells a split than the shared memory holds, dims past 256): NaN
+    const float bad = i1 - i0 > cap || Dp > 8 * QSA_TC_W * QSA_TC_KS ? __int_as_float(0x7fc00000) : 0.0f;
+    if (threadIdx.x % QSA_TC_TPH == 0 && sh < nh) {
+        float* o = part + ((size_t)(h0 + sh) * nsplit + sp) * (D + 2);
+        o[0] = m;
+        o[1] = l + bad;
+    }
+#pragma unroll
+    for (int j = 0; j < QSA_TC_KS; j++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int hd = g + 8 * (e >> 1), d = dw + 8 * j + 2 * t + (e & 1);
+            if (j < ksn && hd < nh && d < D) part[((size_t)(h0 + hd) * nsplit + sp) * (D + 2) + 2 + d] = acc[j][e];
+        }
+    }
+}
+
 // y[h*D + d] = softmax-weighted V of head h (the splits merged) * sigmoid(gate[h, d]); grid (H, rows), per row
 // part + r H nsplit (D+2), qg + r H 2D, y + r H D.
 extern "C" __global__ void __launch_bounds__(256) qsa_combine(const float* __restrict__ part,

@@ -30,6 +30,14 @@ def attn_smem(cfg: ModelConfig, il: int, nsplit: int) -> int:
     return define("QSA_STAGES", 2) * define("QSA_U", 8) * 2 * cfg.head_dim * 4 + 4 * attn_cap(cfg, il, nsplit)
 
 
+def attn_tc_smem(cfg: ModelConfig, il: int, nsplit: int) -> int:
+    """qsa_attn_tc's dynamic shared memory: QSA_TC_STAGES rounds of 16 cells' K rows (stride Dp + 4 floats, Dp the
+    head dim padded to 8 dims a warp) and V rows (Dp + 8), then a split's cells."""
+    per = 8 * define("QSA_TC_W", 8)           # dims padded to 8 a warp
+    dp = -(-cfg.head_dim // per) * per
+    return define("QSA_TC_STAGES", 2) * 16 * (2 * dp + 12) * 4 + 4 * attn_cap(cfg, il, nsplit)
+
+
 def check_geometry(cfg: ModelConfig) -> None:
     if cfg.head_dim > MAX_HEAD_DIM:
         raise ValueError(f"qsa: head dim {cfg.head_dim} > {MAX_HEAD_DIM}, the attention kernel's register budget")
@@ -112,7 +120,9 @@ def select_launch(fn, name: str, cfg: ModelConfig, il: int, scores: DevArray, se
 
 def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevArray, Vc: DevArray, sel: DevArray,
                 meta: DevArray, part: DevArray, step: DevArray, max_ctx: int, nsplit: int, rows: int = 1,
-                ld: int | None = None) -> Launch:
+                ld: int | None = None, tc: bool = False) -> Launch:
+    """qsa_attn (tc False: the token's one row, FMA pipes, a CTA per kv head) or qsa_attn_tc (tc True: the batched
+    step's rows, tensor cores, 16 query heads of a kv head a CTA); the same arguments and partials."""
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     ld = ld or max_ctx // cfg.compress_ratios[il]
     check_geometry(cfg)
@@ -123,7 +133,12 @@ def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevAr
     need(meta, name + " counts", 2 * rows, np.int32)
     need(part, name + " partials", rows * H * nsplit * (D + 2))
     need(step, name + " step", 8, np.int32)
-    return Launch(fn, name, (Hkv, nsplit, rows), (32 * attn_warps(cfg),), attn_smem(cfg, il, nsplit),
+    if tc:
+        grid = (Hkv * -(-(H // Hkv) // 16), nsplit, rows)
+        block, smem = 32 * define("QSA_TC_W", 8), attn_tc_smem(cfg, il, nsplit)
+    else:
+        grid, block, smem = (Hkv, nsplit, rows), 32 * attn_warps(cfg), attn_smem(cfg, il, nsplit)
+    return Launch(fn, name, grid, (block,), smem,
                   [P(q), P(Kc), P(Vc), P(sel), P(meta), P(part), P(step), I(H), I(Hkv), I(D),
                    I(cfg.compress_ratios[il]), I(nsplit), I(ld), I(attn_cap(cfg, il, nsplit))])
 
