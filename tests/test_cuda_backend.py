@@ -484,6 +484,35 @@ def test_batched_prepared_weights(case, device, monkeypatch, tmp_path_factory, r
     assert rel_err(prepared, ref).max() <= 1e-4
 
 
+def test_batched_split_k(case, monkeypatch):
+    """Split-K GEMM launches (gemm.py k_slices) through the backend, made to apply to the tiny model's ops
+    (KSPLIT_MIN_CHUNKS lowered to 1: its inputs are a few k-chunks long): steps of up to 48 rows with ops split in
+    every bucket, each slice set added by its gemm_ksum launch; every row within 1e-5 of the unsplit build
+    (GEMM_KSPLIT=0: another order of the same f32 sums) and within 1e-4 of transformers."""
+    from strata.kernels import gemm as kgemm
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for split-K")
+    sizes = chunk_sizes(len(tokens), spec.seed, big=40)
+
+    def run(split: int):
+        monkeypatch.setattr(kgemm, "KSPLIT", split)
+        monkeypatch.setattr(kgemm, "KSPLIT_MIN_CHUNKS", 1)
+        be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, log=print)
+        try:
+            ksums = {b: [x.name for st in ls["pre"] + ls["post"] for _, xs in st for x in xs
+                         if x.name.endswith(".ksum")] for b, ls in be.batch.launches.items()}
+            assert all(ksums.values()) if split else not any(ksums.values()), ksums
+            return run_steps(be, model, tokens, sizes)
+        finally:
+            be.close()
+    split, plain = run(1), run(0)
+    err = rel_err(split, plain)
+    print(f"split-K vs unsplit: max rel err {err.max():.2e}")
+    assert err.max() <= 1e-5
+    assert rel_err(split, ref).max() <= 1e-4
+
+
 def test_batched_wide_expert_tiles(case, monkeypatch):
     """Expert tiles of 128 pairs (moe.py tile_plan; gate/up in gemm.cuh's paired GLU tile) through the backend, made
     to apply at steps of 48 rows (MOE_WIDE_PAIRS lowered to the 18 pairs an expert they have), alone and with each

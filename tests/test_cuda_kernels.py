@@ -1321,6 +1321,43 @@ def test_gemm_one_table_two_buckets(rig):
 
 
 @both_rigs
+def test_gemm_split_k(rig):
+    """A split-K launch (gemm.py k_slices): two plain jobs like an hc read's down projection and inject (320 and 4
+    outputs; Q8_0 and F32) over 992 inputs (a partial last k-chunk) in 5 slices of 4 chunks, the last slice empty,
+    the slices added by gemm_ksum; every live row within 1e-5 of float64 and of the unsplit launch, rows past n_rows
+    untouched, at a 24-row bucket with 23 live and at a 9-row one (BN = 16) through the same job table."""
+    from strata.kernels import gemm as kgemm
+    rng = np.random.default_rng(41)
+    n_in, T, ks = 992, 24, 5
+    X = (rng.standard_normal((T, n_in)) * 10.0 ** rng.uniform(-2, 2, (T, 1))).astype(F32)
+    xb = rig.buf("x", X.shape, value=X)
+    nr = rig.buf("n_rows", (1,), np.int32, [T - 1])
+    rd, ri = random_matrix(QType.Q8_0, 320, n_in, rng), random_matrix(QType.F32, 4, n_in, rng)
+    d, i = rig.mat("down", rd, QType.Q8_0, 320, n_in), rig.mat("inject", ri, QType.F32, 4, n_in)
+    ys = [rig.buf(f"y{k}", (T, n)) for k, n in enumerate((320, 4, 320, 4))]
+    part = rig.buf("part", (ks * T * 324,))
+    tables = [kgemm.job_table(f"jobs{k}", 2, rig.A.reserve) for k in range(2)]
+    rig.commit()
+    refs = [X.astype(np.float64) @ dequantize(r, q).reshape(n, n_in).astype(np.float64).T
+            for r, q, n in ((rd, QType.Q8_0, 320), (ri, QType.F32, 4))]
+    plain = [kgemm.GemmJob(d, xb, ys[0]), kgemm.GemmJob(i, xb, ys[1])]
+    split = [kgemm.GemmJob(d, xb, ys[2]), kgemm.GemmJob(i, xb, ys[3])]
+    fn = lambda n: rig.k.fn("gemm", n)          # noqa: E731
+    for t in (T, 9):
+        live = t - 1
+        nr.upload(np.array([live], np.int32))
+        rig.poison(*ys, part)
+        rig.run(kgemm.gemm_launch(fn, "plain", tables[0], plain, nr, t),
+                kgemm.gemm_launch(fn, "split", tables[1], split, nr, t, ks=ks, part=part),
+                kgemm.ksum_launch(fn("gemm_ksum"), "ksum", tables[1], split, nr, t, ks, part))
+        for y0, y1, ref in ((ys[0], ys[2], refs[0]), (ys[1], ys[3], refs[1])):
+            o0, o1 = y0.download(), y1.download()
+            assert rel(o1[:live], ref[:live]) <= TOL, f"{t} rows: {rel(o1[:live], ref[:live]):.2e} of float64"
+            assert rel(o1[:live], o0[:live]) <= TOL, f"{t} rows: {rel(o1[:live], o0[:live]):.2e} of unsplit"
+            assert np.isnan(o1[live:]).all(), f"{t} rows: a row past n_rows was written"
+
+
+@both_rigs
 @pytest.mark.parametrize("types,n_in", [((QType.Q4_K, QType.Q8_0), 768), ((QType.Q6_K, QType.IQ4_XS), 768),
                                         ((QType.F32, QType.BF16), 549)], ids=["k64", "k128", "tail"])
 def test_gemm_prepared_rows(rig, types, n_in, monkeypatch):
@@ -1422,7 +1459,9 @@ def test_batch_prepares_each_x_once(monkeypatch):
     from strata.kernels.gemm import GemmJob
     A = Arena()
     bp = object.__new__(BatchPath)
-    bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep = SimpleNamespace(A=A), 300, {}, True, False
+    bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep = SimpleNamespace(A=A, dev=SimpleNamespace(n_sm=132)), 300, {}, \
+        True, False
+    bp.buckets, bp.logit_rows, bp._ksplit_floats = (16, 64, 256, 300), 16, 0
     bp.act = Section("activations")
     mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
                                                n_out, n_in, row_bytes(qt, n_in))
@@ -1441,6 +1480,15 @@ def test_batch_prepares_each_x_once(monkeypatch):
     assert preps[0][0][2].max_rows == 300 and preps[0][0][2].rows == 384
     assert all(j.xs is not None for j in ops[0][3]) and all(j.xs is None for op in ops[3:] for j in op[3])
     assert len(bp._xsplits) == 3
+    # split-K (gemm.py k_slices): only where few tiles meet long inputs. 320 outputs over 10240 inputs (160 k-chunks):
+    # 5 M tiles of 64 rows by 1, 1, 4 and 5 N tiles (BN 16, 64, 64, 64) against 3 CTAs on each of 132 multiprocessors,
+    # at most 160 / 8 slices; 512 inputs (8 chunks), the GLU ops and the wide ops never
+    long = [GemmJob(mat("q8l", QType.Q8_0, 320, 10240), A.reserve("xl", (300, 10240)), y)]
+    assert [kgemm.k_slices(long, t, 132) for t in bp.buckets] == [20, 20, 19, 15]
+    assert all(kgemm.k_slices(op[3], t, 132) == 1 for op in ops for t in bp.buckets)
+    assert bp._ksplit_floats == 0
+    bp._gemm("long", long)
+    assert bp._ksplit_floats == 19 * 256 * 320
     # the expert GEMMs' tile splits: one buffer per input length, planned before the experts' types are known,
     # so large enough for either k-chunk (576 = 9 chunks of 64 or 5 of 128: the 128s need more)
     bp.be.cfg = cfg_tiny(n_embd=512, n_ff_exp=576, n_expert=13, n_expert_used=3)

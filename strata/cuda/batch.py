@@ -147,9 +147,13 @@ class BatchPath:
         # planes (the ops of a step run in order on one stream), sized for the largest op
         self.wprep = bool(kgemm.WPREP) and be.dev.arch == 90 and Tm >= kgemm.WPREP_MIN_ROWS
         self._wsplit_bytes = 0
+        # split-K launches' slices (gemm.py k_slices): one buffer for every op, sized for the largest (the ops of a
+        # step run in order on one stream)
+        self._ksplit_floats = 0
         self._plan_tile_splits(self.tile_plan)
         self._ops = self._plan_ops()
         self.wsplit_buf = R("b.wsplit", (self._wsplit_bytes,), U8) if self._wsplit_bytes else None
+        self.ksplit_buf = R("b.ksplit", (self._ksplit_floats,)) if self._ksplit_floats else None
 
     def _act(self, name: str, shape, dtype=F32, per_row: bool = False):
         """A buffer of the activations' section; per_row: its first axis is the step's rows (a step writes only
@@ -192,6 +196,11 @@ class BatchPath:
             bk = kgemm.chunk_k([j.w.qtype for j in jobs])
             jobs = [self._prepared(j, bk, preps) for j in jobs]
         wplan = self._wplan(name, jobs) if self.wprep and n_rows is None else None
+        part_ld = sum(j.w.n_out for j in jobs)
+        for rows in (*self.buckets, self.logit_rows):
+            ks = kgemm.k_slices(jobs, rows, self.be.dev.n_sm)
+            if ks > 1:
+                self._ksplit_floats = max(self._ksplit_floats, ks * rows * part_ld)
         return ("gemm", name, table, jobs, n_rows, preps, wplan)
 
     def _wplan(self, name: str, jobs: list[GemmJob]):
@@ -410,12 +419,18 @@ class BatchPath:
             fn = lambda n: K.fn("gemm", n)
             xsplits = [kgemm.xsplit_launch(fn, f"{name}.x_split{i}", x, ldx, xs, n_rows, rows)
                        for i, (x, ldx, xs) in enumerate(preps)]
+            ks = kgemm.k_slices(jobs, rows, self.be.dev.n_sm)
+            part = self.ksplit_buf if ks > 1 else None
             if wplan is None or rows < kgemm.WPREP_MIN_ROWS:
-                return [*xsplits, kgemm.gemm_launch(fn, name, table, jobs, n_rows, rows)]
-            jobs, fills = self._wsplits(name, jobs, wplan)
+                tab, fills, swz = table, [], 0
+            else:
+                jobs, fills = self._wsplits(name, jobs, wplan)
+                tab, swz = wplan[0], kgemm.WPREP_GROUP
             return [*xsplits, *(kgemm.wsplit_launch(fn, f"{name}.w_split{i}", w, mat, ws)
                                 for i, (w, mat, ws) in enumerate(fills)),
-                    kgemm.gemm_launch(fn, name, wplan[0], jobs, n_rows, rows, swz=kgemm.WPREP_GROUP)]
+                    kgemm.gemm_launch(fn, name, tab, jobs, n_rows, rows, swz=swz, ks=ks, part=part),
+                    *([kgemm.ksum_launch(K.fn("gemm", "gemm_ksum"), name + ".ksum", tab, jobs, n_rows, rows, ks,
+                                         part)] if ks > 1 else [])]
 
         def stages(st, rows):
             return [(name, [x for op in ops for x in one(op, rows)]) for name, ops in st]

@@ -20,13 +20,16 @@ struct GemmJob {
     i32 ws_rows, pad3;    // rows of their planes
 };
 
-// Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN)); the step's row count is device
+// Dense jobs of one step: grid (sum of the jobs' M tiles, ceil(max rows / BN), ks); the step's row count is device
 // data (*n_rows), so a graph captured for a bucket of rows serves every count up to it. swz > 0: the CTAs, in launch
 // order, walk groups of swz M tiles, each group over every N tile before the next (what keeps prepared weights'
-// planes in L2 across the N tiles: gemm.cuh GEMM_WPREP); 0: M tiles fastest.
+// planes in L2 across the N tiles: gemm.cuh GEMM_WPREP); 0: M tiles fastest. ks > 1 (split-K, plain jobs only:
+// gemm.py k_slices): slice z = blockIdx.z sums its share of the k-chunks into part, a [ks][part_rows][part_ld]
+// array with the jobs' outputs side by side in job order, and gemm_ksum adds the slices into each job's y.
 template <bool MAY_GLU, int BK, int MT, int NT, int WM, int WN>
 __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs, int n_jobs,
-                                               const i32* __restrict__ n_rows, int swz) {
+                                               const i32* __restrict__ n_rows, int swz, float* part, int ks,
+                                               int part_ld, int part_rows) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
     pdl_begin();
     int bx = (int)blockIdx.x, by = (int)blockIdx.y;
@@ -38,14 +41,39 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
     }
     const int nrows = *n_rows, n0 = by * BN;
     if (n0 >= nrows) return;
-    int j = 0, cta0 = 0;
-    for (int i = 0, c = 0; i < n_jobs; c += (jobs[i].n_out + BM - 1) / BM, i++)
-        if (c <= bx) j = i, cta0 = c;
+    int j = 0, cta0 = 0, col0 = 0;
+    for (int i = 0, c = 0, o = 0; i < n_jobs; c += (jobs[i].n_out + BM - 1) / BM, o += jobs[i].n_out, i++)
+        if (c <= bx) j = i, cta0 = c, col0 = o;
     const GemmJob J = jobs[j];
     const int m0 = (bx - cta0) * BM;
+    float* y = J.y;
+    int ldy = J.ldy, k_lo = 0, k_hi = -1;
+    if (ks > 1) {
+        const int z = (int)blockIdx.z, per = ((J.n_in + BK - 1) / BK + ks - 1) / ks * BK;
+        k_lo = z * per;
+        k_hi = k_lo + per;
+        y = part + (size_t)z * part_rows * part_ld + col0;
+        ldy = part_ld;
+    }
     gemm_tile<MAY_GLU, BK, MT, NT, WM, WN>(J.w, J.w2, J.type, J.type2, J.row_bytes, J.row_bytes2, J.n_in, J.n_out,
-                                           m0, J.x, J.ldx, J.xrow, nrows, n0, J.y, J.ldy, J.xs, J.xs_rows, 0, J.ws,
-                                           J.ws2, J.ws_rows);
+                                           m0, J.x, J.ldx, J.xrow, nrows, n0, y, ldy, J.xs, J.xs_rows, 0, J.ws,
+                                           J.ws2, J.ws_rows, k_lo, k_hi);
+}
+
+// A split-K launch's slices added in order (deterministic) into each job's y: grid (ceil(part_ld / 256), rows),
+// 256 threads; row r's column c of part belongs to the job whose outputs cover it (gemm_jobs_body's layout).
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_ksum(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows,
+              const float* __restrict__ part, int ks, int part_ld, int part_rows) {
+    pdl_begin();
+    const int r = (int)blockIdx.y, c = (int)blockIdx.x * 256 + (int)threadIdx.x;
+    if (r >= *n_rows || c >= part_ld) return;
+    float v = 0.0f;
+    for (int z = 0; z < ks; z++) v += part[((size_t)z * part_rows + r) * part_ld + c];
+    int j = 0, col0 = 0;
+    for (int i = 0, o = 0; i < n_jobs; o += jobs[i].n_out, i++)
+        if (o <= c) j = i, col0 = o;
+    jobs[j].y[(size_t)r * jobs[j].ldy + c - col0] = v;
 }
 
 // BN = 128 (prefill chunks' plain jobs: 64 weight rows a tile), BN = 64 (GLU jobs, or GEMM_WIDE_N=0) and BN = 16
@@ -54,8 +82,9 @@ __device__ __forceinline__ void gemm_jobs_body(const GemmJob* __restrict__ jobs,
 // matrices with few outputs (gemm.py tile_bm)
 #define GEMM_JOBS(NAME, GLU, BK, MT, NT, WM, WN)                                                              \
     extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(GLU, BK, MT))                        \
-        NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows, int swz) {         \
-        gemm_jobs_body<GLU, BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows, swz);                                   \
+        NAME(const GemmJob* __restrict__ jobs, int n_jobs, const i32* __restrict__ n_rows, int swz, float* part, \
+             int ks, int part_ld, int part_rows) {                                                            \
+        gemm_jobs_body<GLU, BK, MT, NT, WM, WN>(jobs, n_jobs, n_rows, swz, part, ks, part_ld, part_rows);     \
     }
 GEMM_JOBS(gemm_jobs16_k64, false, 64, 1, 2, 4, 1)
 GEMM_JOBS(gemm_jobs16_k128, false, 128, 1, 2, 4, 1)

@@ -494,6 +494,7 @@ __device__ __forceinline__ void frag_each(int rbase, int rstep, int cbase, int g
 // by x_split, this tile's from plane row xp_r0 + n0 (the wgmma tile copies them in a GEMM_XPREP build; otherwise,
 // and on the mma.sync tile, whose layout differs, the tile splits x itself). wp (wp2: the GLU partner's): the
 // weights as w_split prepared them, wp_rows rows a plane (copied in a GEMM_WPREP wgmma build, else decoded here).
+// [k_lo, k_hi): the inputs summed (k_lo a multiple of BK; k_hi < 0: to n_in), a slice of a split-K launch.
 // mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
 // all BN columns, warp w rows 16w .. 16w + 15 of each; its accumulator fragment is mma.sync's m16n8 one for each
 // 8 columns, so the two paths share the epilogue with (MX, NX) the m16-or-m64 blocks and n8 tiles a thread holds.
@@ -506,7 +507,7 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
                                           int n_out, int m0, const float* x, int ldx, const i32* xrow, int nrows,
                                           int n0, float* y, int ldy, const u8* xp = nullptr, int xp_rows = 0,
                                           int xp_r0 = 0, const u8* wp = nullptr, const u8* wp2 = nullptr,
-                                          int wp_rows = 0) {
+                                          int wp_rows = 0, int k_lo = 0, int k_hi = -1) {
     constexpr int BM = WM * MT * 16, BN = WN * NT * 8, LD = BK + 4;
     static_assert(WM * WN * 32 == GM_THREADS && NT % 2 == 0 && BK % 16 == 0, "tile");
     constexpr int MX = GM_WG ? BM / 64 : MT, NX = GM_WG ? BN / 8 : NT;
@@ -565,7 +566,8 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
-    for (int k0 = 0; k0 < n_in; k0 += BK) {
+    const int k_end = k_hi < 0 ? n_in : min(k_hi, n_in);
+    for (int k0 = k_lo; k0 < k_end; k0 += BK) {
         load(k0);
         wg_proxy_fence();
         __syncthreads();

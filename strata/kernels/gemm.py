@@ -221,9 +221,10 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int,
-                swz: int = 0) -> Launch:
+                swz: int = 0, ks: int = 1, part: DevArray | None = None) -> Launch:
     """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function. swz: the
-    CTAs' order (gemm.cu gemm_jobs_body: groups of swz M tiles over every N tile; 0: M tiles fastest)."""
+    CTAs' order (gemm.cu gemm_jobs_body: groups of swz M tiles over every N tile; 0: M tiles fastest). ks > 1: a
+    split-K launch whose ks slices write `part` (k_slices; ksum_launch adds them into the jobs' y)."""
     need(n_rows, name + " n_rows", 1, np.int32)
     rows, tiles, smem, kernel = gemm_plan(jobs, max_rows, name)
     if table.nbytes < rows.nbytes:
@@ -231,5 +232,43 @@ def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: 
                          f"{len(jobs)} given")
     table.upload(rows.view(np.uint8))
     _, bn = shape_for(max_rows, any(j.w2 is not None for j in jobs), min(j.w.n_out for j in jobs))
-    return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn)), (THREADS,), smem,
-                  [P(table), I(len(jobs)), P(n_rows), I(swz)])
+    part_ld = sum(j.w.n_out for j in jobs)
+    if ks > 1:
+        if part is None or any(j.w2 is not None for j in jobs):
+            raise ValueError(f"{name}: a split-K launch needs plain jobs and a partials buffer")
+        need(part, name + " partials", ks * max_rows * part_ld)
+    return Launch(fn_of(kernel), name, (tiles, -(-max_rows // bn), ks), (THREADS,), smem,
+                  [P(table), I(len(jobs)), P(n_rows), I(swz), P(part if ks > 1 else None), I(ks), I(part_ld),
+                   I(max_rows)])
+
+
+# split-K (gemm.cu gemm_jobs_body): a plain launch whose M x N tiles fill less than a wave of KSPLIT_CTAS CTAs a
+# multiprocessor (the tiles hold 3-4) runs its k-chunks in that many slices, at least KSPLIT_MIN_CHUNKS chunks each,
+# and gemm_ksum adds the slices in order: the hc reads' down projections (324 outputs over 10240 inputs, 160
+# k-chunks) took 0.70 ms a launch at 512 rows, 48 CTAs of 160 chunks, against 0.45 at 4096 rows (H100,
+# bench/RESULTS.md 2026-12-07). GEMM_KSPLIT=0 builds without it (the comparison).
+KSPLIT = define("GEMM_KSPLIT", 1)
+KSPLIT_CTAS = 3
+KSPLIT_MIN_CHUNKS = 8
+
+
+def k_slices(jobs: list[GemmJob], max_rows: int, n_sm: int) -> int:
+    """The k slices of a launch of these jobs over a bucket of max_rows rows (1: no split)."""
+    if not KSPLIT or any(j.w2 is not None for j in jobs):
+        return 1
+    n_out = min(j.w.n_out for j in jobs)
+    _, bn = shape_for(max_rows, False, n_out)
+    bm = tile_bm(bn, False, n_out)
+    bk = chunk_k([j.w.qtype for j in jobs])
+    ctas = sum(-(-j.w.n_out // bm) for j in jobs) * -(-max_rows // bn)
+    chunks = min(-(-j.w.n_in // bk) for j in jobs)
+    return max(1, min(KSPLIT_CTAS * n_sm // ctas, chunks // KSPLIT_MIN_CHUNKS))
+
+
+def ksum_launch(fn, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int, ks: int,
+                part: DevArray) -> Launch:
+    """gemm_ksum: a split-K launch's ks slices (gemm_launch with the same table, jobs and part) into the jobs' y."""
+    part_ld = sum(j.w.n_out for j in jobs)
+    need(part, name + " partials", ks * max_rows * part_ld)
+    return Launch(fn, name, (-(-part_ld // 256), max_rows), (256,), 0,
+                  [P(table), I(len(jobs)), P(n_rows), P(part), I(ks), I(part_ld), I(max_rows)])
