@@ -466,15 +466,24 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
                               out + (size_t)p0 * J.E, J.E, xs, xs_rows, tq[3]);
 }
 
+// The 16-pair tiles (NT = 2: steps of few pairs an expert, each weight decoded for ~10 pairs) are bound by their
+// weight loads' latency: MOE_MIN_CTAS16 CTAs a multiprocessor for them (96 registers, the gate/up tile spilling
+// 144 bytes) against gemm.cuh's 3 (165 registers): a 512-row chunk 325.9 -> 301.4 ms (4: 306.6; H100, same call,
+// bench/RESULTS.md 2026-12-07). 0: GM_MIN_CTAS, as the other tiles.
+#ifndef MOE_MIN_CTAS16
+#define MOE_MIN_CTAS16 5
+#endif
+#define MOE_MIN_CTAS(GLU, BK, MT, NT) (NT == 2 && MOE_MIN_CTAS16 ? MOE_MIN_CTAS16 : GM_MIN_CTAS(GLU, BK, MT))
+
 // tiles of 16, 64 or 128 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128
 // rows (MTD m16 tiles a warp: gemm.py tile_bm); the 128-pair tiles are 64 x 128, gate/up as the paired GLU tile
 #define MOE_GEMMS(SUF, BK, MT, NT, WM, WN, MTD)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(true, BK, MT)) moe_gu##SUF(                 \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS, MOE_MIN_CTAS(true, BK, MT, NT)) moe_gu##SUF(            \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
         const float* __restrict__ x, const i32* __restrict__ pair_tok, float* h, const u8* xs, int xs_rows) {    \
         moe_gu_body<BK, MT, NT, WM, WN, WN * NT * 8 == 128>(job, tiles, n_tiles, x, pair_tok, h, xs, xs_rows);     \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS(false, BK, MTD)) moe_down##SUF(             \
+    extern "C" __global__ void __launch_bounds__(GM_THREADS, MOE_MIN_CTAS(false, BK, MTD, NT)) moe_down##SUF(        \
         const MoeJob* __restrict__ job, const i32* __restrict__ tiles, const i32* __restrict__ n_tiles,           \
         const float* __restrict__ h, float* out, const u8* xs, int xs_rows) {                                     \
         moe_down_body<BK, MTD, NT, WM, WN>(job, tiles, n_tiles, h, out, xs, xs_rows);                             \
