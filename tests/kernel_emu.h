@@ -164,50 +164,48 @@ inline void emu_ldsm4(unsigned addr, unsigned* r) {
     }
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][2t, 2t+1]
-// (a0), A[g+8][..] (a1), A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1); C[g][2t,
-// 2t+1] (c0, c1), C[g+8][..] (c2, c3). The products of halves are exact in float; the sum runs over k in order.
-inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
+// A warp's mma.sync m16n8kK, c += A B: each lane's fragments (a0..a3, b0, b1) gathered where every lane reads
+// them, then each lane's C[g][2t, 2t+1] (c0, c1) and C[g+8][..] (c2, c3) (g = lane / 4, t = lane % 4) summed over k
+// in order, A(F, row, k) and B(F, k, n) reading an element from the gathered words F (6 a lane).
+template <int K, class FA, class FB>
+inline void emu_mma_m16n8(float* c, const unsigned* a, const unsigned* b, FA A, FB B) {
     const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
     unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
     for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
     F[6 * l + 4] = b[0];
     F[6 * l + 5] = b[1];
     __syncwarp();
-    auto half = [&](int lane, int reg, int hi) { return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi))); };
-    auto A = [&](int row, int k) { return half(4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); };
-    auto B = [&](int k, int n) { return half(4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); };
     const int g = l / 4, tt = l % 4;
     for (int j = 0; j < 4; j++) {
         const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
         float acc = c[j];
-        for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, n);
+        for (int k = 0; k < K; k++) acc += A(F, row, k) * B(F, k, n);
         c[j] = acc;
     }
     __syncwarp();
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, c += A B: lane L (g = L / 4, t = L % 4) holds A[g][t] (a0),
-// A[g+8][t] (a1), A[g][t+4] (a2), A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1); C as in m16n8k16. The hardware
-// reads the operands' top 19 bits; their products are exact in float; the sum runs over k in order.
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: lane L (g = L / 4, t = L % 4) holds A[g][2t, 2t+1] (a0),
+// A[g+8][..] (a1), A[g][2t+8, 2t+9] (a2), A[g+8][..] (a3); B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1). The products
+// of halves are exact in float.
+inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
+    auto half = [](const unsigned* F, int lane, int reg, int hi) {
+        return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi)));
+    };
+    emu_mma_m16n8<16>(
+        c, a, b,
+        [&](const unsigned* F, int row, int k) { return half(F, 4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); },
+        [&](const unsigned* F, int k, int n) { return half(F, 4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); });
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: lane L holds A[g][t] (a0), A[g+8][t] (a1), A[g][t+4] (a2),
+// A[g+8][t+4] (a3); B[t][g] (b0), B[t+4][g] (b1). The hardware reads the operands' top 19 bits; their products are
+// exact in float.
 inline void emu_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
-    const int t = emu_linear_tid(), w = t >> 5, l = t & 31;
-    unsigned* F = emu::cta->frag.data() + (size_t)w * 32 * 6;
-    for (int i = 0; i < 4; i++) F[6 * l + i] = a[i];
-    F[6 * l + 4] = b[0];
-    F[6 * l + 5] = b[1];
-    __syncwarp();
-    auto val = [&](int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & 0xffffe000u); };
-    auto A = [&](int row, int k) { return val(4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); };
-    auto B = [&](int k, int n) { return val(4 * n + (k & 3), 4 + (k >> 2)); };
-    const int g = l / 4, tt = l % 4;
-    for (int j = 0; j < 4; j++) {
-        const int row = g + 8 * (j >> 1), n = 2 * tt + (j & 1);
-        float acc = c[j];
-        for (int k = 0; k < 8; k++) acc += A(row, k) * B(k, n);
-        c[j] = acc;
-    }
-    __syncwarp();
+    auto val = [](const unsigned* F, int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & 0xffffe000u); };
+    emu_mma_m16n8<8>(
+        c, a, b, [&](const unsigned* F, int row, int k) { return val(F, 4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); },
+        [&](const unsigned* F, int k, int n) { return val(F, 4 * n + (k & 3), 4 + (k >> 2)); });
 }
 
 // wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by
