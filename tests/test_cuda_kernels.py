@@ -1449,19 +1449,26 @@ def test_gemm_prepared_weights(rig, monkeypatch):
             assert rel(o1[:live], ref[:live]) <= TOL and np.isnan(o1[live:]).all()
 
 
+def bare_batch(A, xprep: bool, wprep: bool):
+    """A BatchPath of 300 rows over arena A without a backend behind it (its planning helpers only): the buckets up
+    to 300 rows, 16 logit rows, 132 multiprocessors."""
+    from strata.cuda.batch import BatchPath
+    bp = object.__new__(BatchPath)
+    bp.be, bp.rows, bp.buckets, bp.logit_rows = SimpleNamespace(A=A, dev=SimpleNamespace(n_sm=132)), 300, \
+        (16, 64, 256, 300), 16
+    bp._xsplits, bp.xprep, bp.wprep, bp._wsplit_bytes, bp._ksplit_floats = {}, xprep, wprep, 0, 0
+    return bp
+
+
 def test_batch_prepares_each_x_once(monkeypatch):
     """GEMM_XPREP's plan (strata.cuda.batch): a step's plain GEMM ops get x_split preps, one per distinct x in an op,
     and ops reading the same x in the same k-chunk share one split buffer; GLU ops, gathered rows, the head's ops
     (their own row count) and ops of few outputs keep the tile's own split; a Q6_K op splits in chunks of 128, apart."""
     from strata.cuda.arena import Arena, DevMat, Section
-    from strata.cuda.batch import BatchPath
     from strata.kernels import gemm as kgemm
     from strata.kernels.gemm import GemmJob
     A = Arena()
-    bp = object.__new__(BatchPath)
-    bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep = SimpleNamespace(A=A, dev=SimpleNamespace(n_sm=132)), 300, {}, \
-        True, False
-    bp.buckets, bp.logit_rows, bp._ksplit_floats = (16, 64, 256, 300), 16, 0
+    bp = bare_batch(A, xprep=True, wprep=False)
     bp.act = Section("activations")
     mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
                                                n_out, n_in, row_bytes(qt, n_in))
@@ -1513,12 +1520,10 @@ def test_batch_plans_weight_planes():
     matrices' planes (a GLU partner's too) in one scratch sized for the largest op, and the buckets of many rows a
     second job table whose jobs read them; the places of an op do not overlap and fit the scratch."""
     from strata.cuda.arena import Arena, DevMat
-    from strata.cuda.batch import BatchPath
     from strata.kernels import gemm as kgemm
     from strata.kernels.gemm import GemmJob
     A = Arena()
-    bp = object.__new__(BatchPath)
-    bp.be, bp.rows, bp._xsplits, bp.xprep, bp.wprep, bp._wsplit_bytes = SimpleNamespace(A=A), 300, {}, False, True, 0
+    bp = bare_batch(A, xprep=False, wprep=True)
     mat = lambda name, qt, n_out, n_in: DevMat(A.reserve(name, (n_out * row_bytes(qt, n_in),), np.uint8), int(qt),
                                                n_out, n_in, row_bytes(qt, n_in))
     x, y = A.reserve("x", (300, 512)), A.reserve("y", (300, 2048))
