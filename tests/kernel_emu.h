@@ -19,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <sys/mman.h>
 #include <type_traits>
 #include <utility>
@@ -327,9 +328,13 @@ int arg_sizes(void (*)(A...), size_t* out) {
 }
 }  // namespace emu
 
+// a launch's entry: 0, or 1 with the reason in emu_error() (a CTA wrote past its shared memory)
+extern "C" const char* emu_error() { return emu::error.c_str(); }
 #define EMU_ENTRY(name)                                                                                      \
-    extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
-                               size_t smem, void** args) {                                                   \
+    extern "C" int emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,  \
+                              size_t smem, void** args) {                                                    \
+        emu::error.clear();                                                                                  \
         emu::launch_args(name, dim3{gx, gy, gz}, dim3{bx, by, bz}, smem, args);                              \
+        return emu::error.empty() ? 0 : 1;                                                                   \
     }                                                                                                        \
     extern "C" int emu_args_##name(size_t* out) { return emu::arg_sizes(name, out); }

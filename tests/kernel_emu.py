@@ -71,7 +71,8 @@ def build(module: str, cache: Path) -> ctypes.CDLL:
     for n in names:
         f = getattr(lib, f"emu_{n}")
         f.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_size_t, ctypes.c_void_p]
-        f.restype = None
+        f.restype = ctypes.c_int
+    lib.emu_error.restype = ctypes.c_char_p
     return lib
 
 
@@ -79,10 +80,15 @@ class EmuFn:
     """A kernel of a compiled module: what Kernels.fn returns on the GPU, here the emulator's entry."""
 
     def __init__(self, lib: ctypes.CDLL, name: str):
-        self.entry, self.name = getattr(lib, f"emu_{name}"), name
+        self._entry, self._error, self.name = getattr(lib, f"emu_{name}"), lib.emu_error, name
         sizes = (ctypes.c_size_t * 64)()
         n = getattr(lib, f"emu_args_{name}")(sizes)
         self.arg_sizes = [int(sizes[i]) for i in range(n)]     # what a graph copies at capture
+
+    def entry(self, gx, gy, gz, bx, by, bz, smem, args) -> None:
+        """Run the kernel (kernel_emu.h EMU_ENTRY); a CTA that wrote past its shared memory raises."""
+        if self._entry(gx, gy, gz, bx, by, bz, smem, args):
+            raise RuntimeError(f"{self.name}: {self._error().decode()}")
 
     def __int__(self) -> int:
         return id(self)

@@ -171,7 +171,10 @@ struct Hold {
 };
 
 // Run `kernel(args...)` over grid x block with `smem` bytes of dynamic shared memory: the CTAs in order, each as
-// block.x * block.y * block.z fibers.
+// block.x * block.y * block.z fibers. A CTA that writes past its shared memory (a launch sized too small on the
+// host) leaves where it wrote in `error`, which the launch's entry reports (EMU_ENTRY, tests/kernel_emu.py).
+constexpr size_t GUARD = 4096;
+inline std::string error;
 template <class... A>
 void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args) {
     Hold hold;
@@ -189,7 +192,9 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                 for (int w = 0; w < nw; w++) c.warp_bar[w].expected = std::min(32, nt - 32 * w);
                 c.slots.assign((size_t)nw * 64, 0);
                 c.frag.assign((size_t)nw * 32 * 6, 0);
-                c.smem.assign(smem + 16, 0xFF);     // poison (NaN floats): a read of unstaged shared memory shows in the result, even times 0
+                // poison (NaN floats): a read of unstaged shared memory shows in the result, even times 0; the
+                // GUARD bytes past the launch's allocation (and its 16 spare bytes) must come back untouched
+                c.smem.assign(smem + 16 + GUARD, 0xFF);
                 cta = &c;
                 bid = dim3{bx, by, bz};
                 sched.body = [&](int t) {
@@ -209,6 +214,11 @@ void launch(void (*kernel)(A...), dim3 grid, dim3 block, size_t smem, A... args)
                 emu_switch(&sched.main_sp, sched.fibers[0].sp);
                 sched.cur = -1;
                 cta = nullptr;
+                for (size_t i = smem + 16; i < c.smem.size() && error.empty(); i++)
+                    if (c.smem[i] != 0xFF)
+                        error = "CTA (" + std::to_string(bx) + ", " + std::to_string(by) + ", " + std::to_string(bz) +
+                                ") wrote byte " + std::to_string(i) + " of shared memory, past the launch's " +
+                                std::to_string(smem);
             }
 }
 }  // namespace emu
