@@ -496,7 +496,7 @@ def phase_qsa() -> None:
         step.upload(w)
         for tc in (False, True) if rows > 1 else (False,):      # the batched step's tensor-core kernel too
             kern = "qsa_attn_tc" if tc else "qsa_attn"
-            launches = [kqsa.attn_launch(K.fn("qsa", kern), "attn", cfg, il, q, Kc, Vc, sel, meta, part, step,
+            launches = [kqsa.attn_launch(lambda n: K.fn("qsa", n), "attn", cfg, il, q, Kc, Vc, sel, meta, part, step,
                                          max_ctx, nsplit, rows, ld, tc=tc),
                         kqsa.combine_launch(K.fn("qsa", "qsa_combine"), "combine", cfg, part, qg, att, nsplit, step,
                                             rows)]

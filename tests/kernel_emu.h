@@ -193,10 +193,11 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
     auto half = [](const unsigned* F, int lane, int reg, int hi) {
         return emu_half_to_float((unsigned short)(F[6 * lane + reg] >> (16 * hi)));
     };
-    emu_mma_m16n8<16>(
-        c, a, b,
-        [&](const unsigned* F, int row, int k) { return half(F, 4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1); },
-        [&](const unsigned* F, int k, int n) { return half(F, 4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); });
+    auto A = [&](const unsigned* F, int row, int k) {
+        return half(F, 4 * (row & 7) + (k & 7) / 2, (row >> 3) + 2 * (k >> 3), k & 1);
+    };
+    auto B = [&](const unsigned* F, int k, int n) { return half(F, 4 * n + (k & 7) / 2, 4 + (k >> 3), k & 1); };
+    emu_mma_m16n8<16>(c, a, b, A, B);
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: lane L holds A[g][t] (a0), A[g+8][t] (a1), A[g][t+4] (a2),
@@ -204,9 +205,11 @@ inline void emu_mma_f16(float* c, const unsigned* a, const unsigned* b) {
 // exact in float.
 inline void emu_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
     auto val = [](const unsigned* F, int lane, int reg) { return __uint_as_float(F[6 * lane + reg] & 0xffffe000u); };
-    emu_mma_m16n8<8>(
-        c, a, b, [&](const unsigned* F, int row, int k) { return val(F, 4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2)); },
-        [&](const unsigned* F, int k, int n) { return val(F, 4 * n + (k & 3), 4 + (k >> 2)); });
+    auto A = [&](const unsigned* F, int row, int k) {
+        return val(F, 4 * (row & 7) + (k & 3), (row >> 3) + 2 * (k >> 2));
+    };
+    auto B = [&](const unsigned* F, int k, int n) { return val(F, 4 * n + (k & 3), 4 + (k >> 2)); };
+    emu_mma_m16n8<8>(c, a, b, A, B);
 }
 
 // wgmma.mma_async m64nNk16 .f32.f16.f16 with both operands in shared memory (K-major, no swizzle), issued by

@@ -649,7 +649,7 @@ def _qsa_rig(rig, cfg, rng, max_ctx, nsplit):
                          b.Kc, b.Vc, b.iq, b.idx_raw, b.idx_blk, b.step, max_ctx),
         kqsa.score_launch(k.fn("qsa", "qsa_score"), "score", cfg, il, b.iq, b.idx_blk, b.scores, b.step, max_ctx, n_sm),
         kqsa.select_launch(k.fn("qsa", "qsa_select"), "select", cfg, il, b.scores, b.sel, b.meta, b.step, max_ctx),
-        kqsa.attn_launch(k.fn("qsa", "qsa_attn"), "attn", cfg, il, b.q, b.Kc, b.Vc, b.sel, b.meta, b.part, b.step,
+        kqsa.attn_launch(lambda n: k.fn("qsa", n), "attn", cfg, il, b.q, b.Kc, b.Vc, b.sel, b.meta, b.part, b.step,
                          max_ctx, nsplit),
         kqsa.combine_launch(k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.att, nsplit, b.step),
         kgemv.gemv_launch(k.fn("gemv", "gemv_jobs"), "out", t_out, [Job(mats["attn_output"], b.att, b.out)])]
@@ -728,7 +728,7 @@ def test_qsa_attn_cells(rig, H, Hkv, D, nsplit, tc):
                         step=rig.buf("step", (STEP_N,), np.int32, step_words(pos=pos, rows=rows)))
     rig.commit()
     rig.poison(b.part, b.y)
-    rig.run(kqsa.attn_launch(rig.k.fn("qsa", "qsa_attn_tc" if tc else "qsa_attn"), "attn", cfg, il, b.q, b.Kc,
+    rig.run(kqsa.attn_launch(lambda n: rig.k.fn("qsa", n), "attn", cfg, il, b.q, b.Kc,
                              b.Vc, b.sel, b.meta, b.part, b.step, max_ctx, nsplit, rows, ld, tc=tc),
             kqsa.combine_launch(rig.k.fn("qsa", "qsa_combine"), "combine", cfg, b.part, b.qg, b.y, nsplit, b.step,
                                 rows))

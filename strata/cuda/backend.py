@@ -679,7 +679,7 @@ class CudaBackend:
                                 s["idx_blk"], self.b_scores, self.b_step, self.max_ctx, self.dev.n_sm),
                          _Later(kqsa.select_launch, K.fn("qsa", "qsa_select"), p + "qsa_select", cfg, il,
                                 self.b_scores, self.b_sel, self.b_meta, self.b_step, self.max_ctx),
-                         _Later(kqsa.attn_launch, K.fn("qsa", "qsa_attn"), p + "qsa_attn", cfg, il, self.b_q, s["Kc"],
+                         _Later(kqsa.attn_launch, lambda n: K.fn("qsa", n), p + "qsa_attn", cfg, il, self.b_q, s["Kc"],
                                 s["Vc"], self.b_sel, self.b_meta, self.b_part, self.b_step, self.max_ctx, self.nsplit),
                          _Later(kqsa.combine_launch, K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.b_part,
                                 self.b_qg, self.b_att, self.nsplit, self.b_step),

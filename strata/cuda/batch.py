@@ -353,7 +353,7 @@ class BatchPath:
                              K.fn("qsa", "qsa_select"), p + "qsa_select", cfg, il, self.scores, self.sel, self.meta,
                              step, be.max_ctx, rows, ld)),
                          k(lambda rows, il=il, s=s, p=p: kqsa.attn_launch(
-                             K.fn("qsa", "qsa_attn_tc"), p + "qsa_attn", cfg, il, self.q, s["Kc"], s["Vc"], self.sel,
+                             lambda n: K.fn("qsa", n), p + "qsa_attn", cfg, il, self.q, s["Kc"], s["Vc"], self.sel,
                              self.meta, self.part, step, be.max_ctx, NSPLIT, rows, ld, tc=True)),
                          k(lambda rows, p=p: kqsa.combine_launch(
                              K.fn("qsa", "qsa_combine"), p + "qsa_combine", cfg, self.part, self.qg, self.att,

@@ -118,11 +118,12 @@ def select_launch(fn, name: str, cfg: ModelConfig, il: int, scores: DevArray, se
                   [P(scores), P(sel), P(meta), P(step), I(ratio), I(cfg.block_topk(il)), I(ld)])
 
 
-def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevArray, Vc: DevArray, sel: DevArray,
-                meta: DevArray, part: DevArray, step: DevArray, max_ctx: int, nsplit: int, rows: int = 1,
+def attn_launch(fn_of, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevArray, Vc: DevArray,
+                sel: DevArray, meta: DevArray, part: DevArray, step: DevArray, max_ctx: int, nsplit: int, rows: int = 1,
                 ld: int | None = None, tc: bool = False) -> Launch:
     """qsa_attn (tc False: the token's one row, FMA pipes, a CTA per kv head) or qsa_attn_tc (tc True: the batched
-    step's rows, tensor cores, 16 query heads of a kv head a CTA); the same arguments and partials."""
+    step's rows, tensor cores, 16 query heads of a kv head a CTA); the same arguments and partials. fn_of(kernel
+    name) -> the function."""
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     ld = ld or max_ctx // cfg.compress_ratios[il]
     check_geometry(cfg)
@@ -138,7 +139,7 @@ def attn_launch(fn, name: str, cfg: ModelConfig, il: int, q: DevArray, Kc: DevAr
         block, smem = 32 * define("QSA_TC_W", 8), attn_tc_smem(cfg, il, nsplit)
     else:
         grid, block, smem = (Hkv, nsplit, rows), 32 * attn_warps(cfg), attn_smem(cfg, il, nsplit)
-    return Launch(fn, name, grid, (block,), smem,
+    return Launch(fn_of("qsa_attn_tc" if tc else "qsa_attn"), name, grid, (block,), smem,
                   [P(q), P(Kc), P(Vc), P(sel), P(meta), P(part), P(step), I(H), I(Hkv), I(D),
                    I(cfg.compress_ratios[il]), I(nsplit), I(ld), I(attn_cap(cfg, il, nsplit))])
 
