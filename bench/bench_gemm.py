@@ -112,7 +112,7 @@ def main() -> None:
             fn = lambda n: K.fn("gemm", n)
             wp = ws is not None and T >= kgemm.WPREP_MIN_ROWS       # as batch.py
             launch = kgemm.gemm_launch(fn, "gemm", tables[T], [kgemm.GemmJob(m, x, y, xs=xs, ws=ws if wp else None)],
-                                       nr, T, swz=kgemm.WPREP_GROUP if wp else 0)
+                                       nr, T, swz=kgemm.WPREP_GROUP if wp else 0, arch=dev.arch)
             # GEMM_XPREP / GEMM_WPREP: the splits of x and of the weights are part of the product's time
             preps = ([kgemm.xsplit_launch(fn, "x_split", x, n_in, xs, nr, T)] if xs is not None else []) + \
                     ([kgemm.wsplit_launch(fn, "w_split", m, 0, ws)] if wp else [])

@@ -564,7 +564,7 @@ def phase_moe(rows: int = 4096, preset: str = "flash") -> None:
     grp = kmoe.group_launch(fn("moe_group"), "group", cfg, ids, None, step, pair_tok, pair_of, tiles, n_tiles, rows,
                             plan)
     launches = kmoe.grouped_launches(fn, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out, rows, plan,
-                                     splits)
+                                     splits, arch)
     for l in (grp, *launches):              # the tiles and every launch's inputs: one eager pass
         l.enqueue(stream)
     stream.synchronize("moe inputs")

@@ -139,7 +139,7 @@ class EmuRig(ArenaRig):
         from strata.kernels import gemv
         super().__init__(kern)
         self._host = None
-        self.dev = SimpleNamespace(n_sm=2)
+        self.dev = SimpleNamespace(n_sm=2, arch=90)        # the emulator builds the kernels' sm_90 paths
         monkeypatch.setattr(driver, "HostBuffer", EmuHostBuffer)
         monkeypatch.setattr(launch, "allow_smem", lambda fn, name, smem: None)
         monkeypatch.setattr(gemv, "resident_ctas", lambda fn, name, threads, smem: ctas)

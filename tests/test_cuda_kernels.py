@@ -967,8 +967,8 @@ def check_tiles(plan, tiles: np.ndarray, counts: np.ndarray, pair_of: np.ndarray
 @both_rigs
 @pytest.mark.parametrize("qt,rows,prep", [
     (QType.Q2_0, 40, False), (QType.Q6_K, 40, False), (QType.Q4_K, 9, False), (QType.Q2_0, 40, True),
-    (QType.Q6_K, 9, True), (QType.Q2_0, 100, True), (QType.Q6_K, 100, False)],
-    ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep", "Q6_K-100"])
+    (QType.Q6_K, 9, True), (QType.Q2_0, 100, True), (QType.Q6_K, 100, False), (QType.Q2_0, 9, True)],
+    ids=["Q2_0-40", "Q6_K-40", "Q4_K-9", "Q2_0-40-prep", "Q6_K-9-prep", "Q2_0-100-prep", "Q6_K-100", "Q2_0-9-prep"])
 def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     """The batched step's routed experts: moe_group lays the step's (row, choice) pairs out expert by expert in tiles
     (128 pairs at 100 rows, an expert's last <= 64 in a second list of 64-pair tiles; 64 at 40, 16 at 9), the
@@ -1022,7 +1022,7 @@ def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
         grp = kmoe.group_launch(rig.k.fn("moe", "moe_group"), "group", cfg, ids, slot_of, step, pair_tok, pair_of,
                                 tiles, n_tiles, rows, pl)
         launches = kmoe.grouped_launches(fn_of, "experts", cfg, job, bank, tiles, n_tiles, x, pair_tok, h, out,
-                                         rows, pl, splits)
+                                         rows, pl, splits, rig.dev.arch)
         rig.poison(h, out)
         rig.run(grp, *launches)
         check_tiles(pl, tiles.download(), n_tiles.download(), pair_of.download(), ids_v, slot_v, k)
@@ -1229,7 +1229,7 @@ def test_gemm_formats(rig, qt, max_rows):
     rig.commit()
     jobs = [kgemm.GemmJob(m, xb, y, ldx=ldx)]
     assert kgemm.gemm_plan(jobs, max_rows)[3].startswith("gemm_jobs128") == (max_rows == 150 and kgemm.WIDE_N == 1)
-    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table, jobs, nr, max_rows)
+    launch = kgemm.gemm_launch(lambda n: rig.k.fn("gemm", n), "gemm", table, jobs, nr, max_rows, arch=rig.dev.arch)
     gemv = kgemv.gemv_launch(rig.k.fn("gemv", "gemv_jobs"), "gemv", gv_table, [Job(m, a, b) for a, b in gv])
     rig.poison(y)
     rig.run(launch, gemv)
@@ -1450,6 +1450,21 @@ def test_gemm_prepared_weights(rig, monkeypatch):
             o0, o1 = y0.download(), y1.download()
             assert np.array_equal(o0[:live], o1[:live]), f"{t} rows: the prepared weights give other numbers"
             assert rel(o1[:live], ref[:live]) <= TOL and np.isnan(o1[live:]).all()
+
+
+def test_compact_weight_tiles():
+    """gemm.py compact_tile / smem_bytes (gemm.cuh GEMM_COMPACT_W): on sm_90 a launch whose weights are all f16-exact
+    takes the weight tiles' hi halves only; a launch with any other type, or an unknown or other arch, the full
+    tiles. The kernels' side runs in every grouped-expert and GEMM test of exact types (the emulator fails a launch
+    that writes past its shared memory)."""
+    from strata.kernels import gemm as kgemm
+    if not kgemm.COMPACT_W:
+        pytest.skip("this build packs no weight tiles (GEMM_COMPACT_W=0 or GEMM_WGMMA=0)")
+    assert kgemm.compact_tile(90, [QType.Q2_0, QType.Q2_0]) and kgemm.compact_tile(90, [QType.BF16])
+    assert not kgemm.compact_tile(90, [QType.Q2_0, QType.Q6_K]) and not kgemm.compact_tile(0, [QType.Q2_0])
+    assert not kgemm.compact_tile(89, [QType.F16])
+    full, compact = kgemm.smem_bytes(64, 16, 64, True), kgemm.smem_bytes(64, 16, 64, True, True)
+    assert full - compact == 2 * 64 * (68 * 4 - 128) and compact == 2 * 64 * 128 + 16 * 68 * 4 + (2 * 64 + 16) * 4
 
 
 def bare_batch(A, xprep: bool, wprep: bool):

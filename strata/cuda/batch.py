@@ -387,7 +387,7 @@ class BatchPath:
                     k(lambda rows, il=il, p=p: kmoe.grouped_launches(
                         lambda n: K.fn("moe", n), p + "experts", cfg, be.expert_job[il], be.banks[il], self.tiles,
                         self.n_tiles, self.x_ffn, self.pair_tok, self.h_exp, self.out_exp, rows, tp,
-                        self._tile_splits(be.banks[il], tp)))]),
+                        self._tile_splits(be.banks[il], tp), be.dev.arch))]),
                 ("combine", [k(lambda rows, p=p, w_next=w_next, host_parts=host_parts: kmoe.combine_rows_launch(
                     K.fn("moe", "combine_rows"), p + "combine", cfg, self.wts, self.pair_of, self.out_exp,
                     host_parts, self.shared, self.sg, self.inj_f, self.R, self.comb, w_next, self.xn, step,
@@ -428,7 +428,8 @@ class BatchPath:
                 tab, swz = wplan[0], kgemm.WPREP_GROUP
             return [*xsplits, *(kgemm.wsplit_launch(fn, f"{name}.w_split{i}", w, mat, ws)
                                 for i, (w, mat, ws) in enumerate(fills)),
-                    kgemm.gemm_launch(fn, name, tab, jobs, n_rows, rows, swz=swz, ks=ks, part=part),
+                    kgemm.gemm_launch(fn, name, tab, jobs, n_rows, rows, swz=swz, ks=ks, part=part,
+                                      arch=self.be.dev.arch),
                     *([kgemm.ksum_launch(K.fn("gemm", "gemm_ksum"), name + ".ksum", tab, jobs, n_rows, rows, ks,
                                          part)] if ks > 1 else [])]
 

@@ -254,6 +254,13 @@ __device__ __forceinline__ void wg_pin(float& r) {
 __device__ __forceinline__ bool f16_exact(int type) {
     return GEMM_EXACT_W && (type == T_Q2_0 || type == T_F16 || type == T_BF16);
 }
+// GEMM_COMPACT_W (default 1): a wgmma tile whose weights are all f16-exact writes no lo halves, and its Layout keeps
+// the lo plane after the hi one, so the next region (the GLU partner's tile, the rows' tile) starts where the hi
+// halves end: half the weight tiles' shared memory (gemm.py smem_bytes sizes a launch so when every job's weights
+// are exact on sm_90), room for more CTAs of the expert tiles (moe.cu MOE_MIN_CTAS16).
+#ifndef GEMM_COMPACT_W
+#define GEMM_COMPACT_W 1
+#endif
 
 // The PPT consecutive threads that hold one row's values (PPT a power of 2 <= 32 dividing GM_THREADS, every
 // thread of the CTA calling): the row's shift from their maximum |v|, then each thread's 4-element runs split into
@@ -515,9 +522,10 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     static_assert(!(PAIR && MAY_GLU), "a paired GLU tile has one accumulator set");
     const bool glu = MAY_GLU && w2 != nullptr;
     const bool wlo = !f16_exact(type) || ((glu || PAIR) && !f16_exact(type2));      // the weights' lo halves are used
+    const int WT = GM_WG && GEMM_COMPACT_W && !wlo ? BM * BK / 2 : BM * LD;    // a weight tile's floats
     float* Ws = (float*)SMEM;
-    float* Ws2 = Ws + BM * LD;
-    float* Xs = Ws2 + (glu ? BM * LD : 0);
+    float* Ws2 = Ws + WT;
+    float* Xs = Ws2 + (glu ? WT : 0);
     int* sh_w = (int*)(Xs + BN * LD);
     int* sh_w2 = sh_w + BM;
     int* sh_x = sh_w2 + BM;

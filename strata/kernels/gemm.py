@@ -74,13 +74,27 @@ def kernel_name(max_rows: int, bk: int, glu: bool, n_out: int) -> str:
     return f"{kernel}_k{bk}{'_glu' if glu else ''}{narrow}"
 
 
-def smem_bytes(bk: int, bn: int, bm: int, glu: bool) -> int:
+def smem_bytes(bk: int, bn: int, bm: int, glu: bool, compact: bool = False) -> int:
     """gemm_tile's shared memory: the weight tile (two for GLU) and the rows' tile, BK + 4 floats a row, then the
-    rows' power-of-two shifts (two weight tiles' and the rows', int32). One k-chunk of the tile at a time: two (the
-    next chunk decoded while the tensor cores read this one, 2 CTAs a multiprocessor) made a 4096-row chunk 15%
-    slower on an H100 than 3 CTAs of one (bench/RESULTS.md, 2026-12-05 fifth session), and copying the next chunk's
-    weight bytes into shared memory while this one decodes 5% slower (sixth session)."""
-    return ((2 if glu else 1) * bm + bn) * (bk + 4) * 4 + (2 * bm + bn) * 4
+    rows' power-of-two shifts (two weight tiles' and the rows', int32); compact (compact_tile): the weight tiles'
+    hi halves only, BK halves a row. One k-chunk of the tile at a time: two (the next chunk decoded while the tensor
+    cores read this one, 2 CTAs a multiprocessor) made a 4096-row chunk 15% slower on an H100 than 3 CTAs of one
+    (bench/RESULTS.md, 2026-12-05 fifth session), and copying the next chunk's weight bytes into shared memory while
+    this one decodes 5% slower (sixth session)."""
+    w_row = 2 * bk if compact else (bk + 4) * 4
+    return (2 if glu else 1) * bm * w_row + bn * (bk + 4) * 4 + (2 * bm + bn) * 4
+
+
+# gemm.cuh f16_exact and GEMM_COMPACT_W: the formats whose tiles write no lo halves, and whether a wgmma tile of them
+# then packs its shared memory (sm_90: the wgmma tile; elsewhere the mma.sync tile's rows interleave the halves)
+EXACT_TYPES = frozenset({QType.Q2_0, QType.F16, QType.BF16}) if define("GEMM_EXACT_W", 1) else frozenset()
+COMPACT_W = define("GEMM_COMPACT_W", 1) if define("GEMM_WGMMA", 1) else 0
+
+
+def compact_tile(arch: int, types) -> bool:
+    """Whether tiles of weights of these ggml types (every job's, GLU partners' too) take smem_bytes' compact size on a
+    device of this arch (0: unknown, the full size: always enough)."""
+    return bool(COMPACT_W) and arch == 90 and all(QType(t) in EXACT_TYPES for t in types)
 
 # struct GemmJob (gemm.cu), 120 bytes
 GEMM_JOB_DTYPE = np.dtype([("w", "<u8"), ("w2", "<u8"), ("x", "<u8"), ("y", "<u8"), ("xrow", "<u8"),
@@ -167,8 +181,10 @@ def job_table(name: str, n_jobs: int, reserve) -> DevArray:
     return reserve(name, (n_jobs * GEMM_JOB_DTYPE.itemsize,), np.uint8)
 
 
-def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[np.ndarray, int, int, str]:
-    """(job rows, M tiles, dynamic shared bytes, kernel name) of a launch over up to max_rows rows."""
+def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm", arch: int = 0) -> tuple[np.ndarray, int, int,
+                                                                                          str]:
+    """(job rows, M tiles, dynamic shared bytes, kernel name) of a launch over up to max_rows rows on a device of
+    this arch (compact_tile)."""
     rows = np.zeros(len(jobs), GEMM_JOB_DTYPE)
     tiles, glu = 0, any(j.w2 is not None for j in jobs)
     bk = chunk_k([j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
@@ -217,16 +233,18 @@ def gemm_plan(jobs: list[GemmJob], max_rows: int, name: str = "gemm") -> tuple[n
                 raise ValueError(f"{what}: GLU partner is {j.w2.n_out}x{j.w2.n_in}, not {j.w.n_out}x{j.w.n_in}")
             r["w2"], r["type2"], r["row_bytes2"] = j.w2.ptr + j.mat * j.w2.mat_bytes, j.w2.qtype, j.w2.row_bytes
         tiles += -(-j.w.n_out // bm)
-    return rows, tiles, smem_bytes(bk, bn, bm, glu), kernel_name(max_rows, bk, glu, n_out)
+    compact = compact_tile(arch, [j.w.qtype for j in jobs] + [j.w2.qtype for j in jobs if j.w2 is not None])
+    return rows, tiles, smem_bytes(bk, bn, bm, glu, compact), kernel_name(max_rows, bk, glu, n_out)
 
 
 def gemm_launch(fn_of, name: str, table: DevArray, jobs: list[GemmJob], n_rows: DevArray, max_rows: int,
-                swz: int = 0, ks: int = 1, part: DevArray | None = None) -> Launch:
+                swz: int = 0, ks: int = 1, part: DevArray | None = None, arch: int = 0) -> Launch:
     """Fill `table` (uploaded now: setup time) and return the launch; fn_of(kernel name) -> the function. swz: the
     CTAs' order (gemm.cu gemm_jobs_body: groups of swz M tiles over every N tile; 0: M tiles fastest). ks > 1: a
-    split-K launch whose ks slices write `part` (k_slices; ksum_launch adds them into the jobs' y)."""
+    split-K launch whose ks slices write `part` (k_slices; ksum_launch adds them into the jobs' y). arch: the
+    device's (compact_tile)."""
     need(n_rows, name + " n_rows", 1, np.int32)
-    rows, tiles, smem, kernel = gemm_plan(jobs, max_rows, name)
+    rows, tiles, smem, kernel = gemm_plan(jobs, max_rows, name, arch)
     if table.nbytes < rows.nbytes:
         raise ValueError(f"{name}: job table '{table.name}' holds {table.nbytes // GEMM_JOB_DTYPE.itemsize} jobs, "
                          f"{len(jobs)} given")

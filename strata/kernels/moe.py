@@ -340,12 +340,13 @@ def split_plan(cfg: ModelConfig, bank: ExpertBank, plan: TilePlan) -> tuple[tupl
 
 def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: ExpertBank, tiles: DevArray,
                      n_tiles: DevArray, x: DevArray, pair_tok: DevArray, h: DevArray, out: DevArray, rows: int,
-                     plan: TilePlan, splits=None) -> tuple[Launch, ...]:
+                     plan: TilePlan, splits=None, arch: int = 0) -> tuple[Launch, ...]:
     """The gate/up GLU launches, then the down launches, over the step's expert tiles, one of each per tile list of
     the plan; uploads the layer's MoeJob into `job`. x (rows, E), h (pairs, Fp), out (pairs, E); fn_of(kernel name)
     -> the function. splits: gemm.py XSplit buffers for the two inputs (split_plan's): then each GEMM's tiles read
-    their rows split once by moe_split launches ahead of it (splits, gate/ups, splits, downs)."""
-    from strata.kernels.gemm import smem_bytes, tile_bm, xsplit_bytes
+    their rows split once by moe_split launches ahead of it (splits, gate/ups, splits, downs). arch: the device's
+    (gemm.py compact_tile: the tiles' shared memory)."""
+    from strata.kernels.gemm import compact_tile, smem_bytes, tile_bm, xsplit_bytes
     k, E, Fn, Fp = cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, padded_ff(cfg)
     row = moe_job_row(cfg, bank)
     need(job, name + " job", MOE_JOB_DTYPE.itemsize, np.uint8)
@@ -367,6 +368,7 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
                              f"tiles need {n_in}, {bk}, {nr}")
         need(xs.buf, name + " split", xsplit_bytes(n_in, bk, xs.max_rows), np.uint8)
     sp = lambda xs: (P(xs.buf), I(xs.rows)) if xs is not None else (P(None), I(0))
+    cgu, cdn = compact_tile(arch, [bank.gate.qtype, bank.up.qtype]), compact_tile(arch, [bank.down.qtype])
 
     def one_list(bn: int, first: int, cap: int) -> tuple[Launch | None, Launch, Launch | None, Launch]:
         """A tile list's (gate/up split, gate/up, down split, down); the splits None without splits."""
@@ -376,10 +378,10 @@ def grouped_launches(fn_of, name: str, cfg: ModelConfig, job: DevArray, bank: Ex
         bg, bd = tile_bm(bn, True), tile_bm(bn, False)  # moe.cu's tile heights (its down tiles: always the wide ones)
         pair = bn == 128    # the gate/up tiles: paired GLU (one accumulator set), bg / 2 outputs a CTA (moe.cu)
         gu = Launch(fn_of(f"moe_gu{bn}_k{kg}"), name + ".gate_up" + sfx, (-(-Fn // (bg // 2 if pair else bg)), cap),
-                    (128,), smem_bytes(kg, bn, bg, not pair), [P(job), P(tl), P(nl), P(x), P(pair_tok), P(h),
-                                                               *sp(xs_gu)])
+                    (128,), smem_bytes(kg, bn, bg, not pair, cgu), [P(job), P(tl), P(nl), P(x), P(pair_tok), P(h),
+                                                                    *sp(xs_gu)])
         dn = Launch(fn_of(f"moe_down{bn}_k{kd}"), name + ".down" + sfx, (-(-E // bd), cap), (128,),
-                    smem_bytes(kd, bn, bd, False), [P(job), P(tl), P(nl), P(h), P(out), *sp(xs_dn)])
+                    smem_bytes(kd, bn, bd, False, cdn), [P(job), P(tl), P(nl), P(h), P(out), *sp(xs_dn)])
 
         def split(xs, src: DevArray, ld: int, xrow: DevArray | None, what: str) -> Launch:
             return Launch(fn_of(f"moe_split{bn}_k{xs.bk}"), f"{name}.{what}_split{sfx}", (cap, -(-xs.n_in // xs.bk)),
