@@ -513,6 +513,32 @@ def test_batched_split_k(case, monkeypatch):
     assert rel_err(split, ref).max() <= 1e-4
 
 
+def test_batched_narrow_apart(case, monkeypatch):
+    """GEMM_NARROW_APART through the backend (strata/cuda/batch.py _gemms), made to apply to the tiny model's input
+    projections (WIDE_OUT lowered to 100: its GDN qkv and QSA q are "wide", the rest narrow): each projection as a
+    launch of the wide matrices in wider tiles and one of the narrow ones; every row bit for bit the one-launch
+    projections, and within 1e-4 of transformers."""
+    from strata.kernels import gemm as kgemm
+    spec, model, tokens, ref = case
+    if spec.name != "grouped":
+        pytest.skip("one geometry is enough for the projections' launches")
+    sizes = chunk_sizes(len(tokens), spec.seed, big=40)
+    monkeypatch.setattr(kgemm, "WIDE_OUT", 100)
+
+    def run(apart: int):
+        monkeypatch.setattr(kgemm, "NARROW_APART", apart)
+        be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, log=print)
+        try:
+            names = [x.name for st in be.batch.launches[48]["pre"] for _, xs in st for x in xs]
+            assert any(n.endswith("proj_narrow") for n in names) == bool(apart)
+            return run_steps(be, model, tokens, sizes)
+        finally:
+            be.close()
+    apart = run(1)
+    assert np.array_equal(apart, run(0)), "the projections' narrow launches gave other numbers"
+    assert rel_err(apart, ref).max() <= 1e-4
+
+
 def test_batched_wide_expert_tiles(case, monkeypatch):
     """Expert tiles of 128 pairs (moe.py tile_plan; gate/up in gemm.cuh's paired GLU tile) through the backend, made
     to apply at steps of 48 rows (MOE_WIDE_PAIRS lowered to the 18 pairs an expert they have), alone and with each

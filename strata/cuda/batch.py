@@ -203,6 +203,18 @@ class BatchPath:
                 self._ksplit_floats = max(self._ksplit_floats, ks * rows * part_ld)
         return ("gemm", name, table, jobs, n_rows, preps, wplan)
 
+    def _gemms(self, name: str, jobs: list[GemmJob]) -> list:
+        """The mixers' input projections as GEMM ops: a launch's tile shape follows its narrowest matrix (gemm.py
+        shape_for), so with GEMM_NARROW_APART the matrices of fewer than WIDE_OUT outputs (GDN's alpha and beta, 48
+        at flash; QSA's k, v and indexer projections) go in a launch of their own and the wide ones take the 64 x 128
+        tiles (at flash, 4096 rows: gdn_proj 3.49 ms a layer in 64 x 64 tiles, attn_qkv alone 1.93 of it in
+        64 x 128)."""
+        wide = [j for j in jobs if j.w.n_out >= kgemm.WIDE_OUT]
+        narrow = [j for j in jobs if j.w.n_out < kgemm.WIDE_OUT]
+        if not (kgemm.NARROW_APART and wide and narrow):
+            return [self._gemm(name, jobs)]
+        return [self._gemm(name, wide), self._gemm(name + "_narrow", narrow)]
+
     def _wplan(self, name: str, jobs: list[GemmJob]):
         """With GEMM_WPREP: the op's weight planes' offsets in the shared scratch (each job's matrix and GLU partner),
         the k-chunk, and the job table of the buckets that use them (the others' table has no planes)."""
@@ -313,10 +325,10 @@ class BatchPath:
                                                                   d["hc_attn_norm"], self.xn, hc, E, eps, rows))]))
             st.append(("attn_read", read(p, d, "attn", self.mixed, self.inj_a)))
             if cfg.recurrent[il]:
-                mixer = [self._gemm(p + "gdn_proj", [GemmJob(d["attn_qkv"], self.mixed, self.qkv),
-                                                     GemmJob(d["attn_gate"], self.mixed, self.z),
-                                                     GemmJob(d["ssm_alpha"], self.mixed, self.alpha),
-                                                     GemmJob(d["ssm_beta"], self.mixed, self.beta)]),
+                mixer = [*self._gemms(p + "gdn_proj", [GemmJob(d["attn_qkv"], self.mixed, self.qkv),
+                                                       GemmJob(d["attn_gate"], self.mixed, self.z),
+                                                       GemmJob(d["ssm_alpha"], self.mixed, self.alpha),
+                                                       GemmJob(d["ssm_beta"], self.mixed, self.beta)]),
                          k(lambda rows, d=d, s=s, p=p: kgdn.gdn_conv_launch(
                              K.fn("gdn", "gdn_conv"), p + "gdn_conv", cfg, self.qkv, d["ssm_conv1d"], s["ring"],
                              self.conv, step, rows)),
@@ -333,11 +345,11 @@ class BatchPath:
                          self._gemm(p + "ssm_out", [GemmJob(d["ssm_out"], self.y, self.mix_out)])]
             else:
                 ld = self.ld_blocks
-                mixer = [self._gemm(p + "qsa_proj", [GemmJob(d["attn_q"], self.mixed, self.qg),
-                                                     GemmJob(d["attn_k"], self.mixed, self.kr),
-                                                     GemmJob(d["attn_v"], self.mixed, self.vr),
-                                                     GemmJob(d["indexer_q_proj"], self.mixed, self.iqr),
-                                                     GemmJob(d["indexer_k_proj"], self.mixed, self.ikr)]),
+                mixer = [*self._gemms(p + "qsa_proj", [GemmJob(d["attn_q"], self.mixed, self.qg),
+                                                       GemmJob(d["attn_k"], self.mixed, self.kr),
+                                                       GemmJob(d["attn_v"], self.mixed, self.vr),
+                                                       GemmJob(d["indexer_q_proj"], self.mixed, self.iqr),
+                                                       GemmJob(d["indexer_k_proj"], self.mixed, self.ikr)]),
                          k(lambda rows, il=il, d=d, s=s, p=p: kqsa.prep_launch(
                              K.fn("qsa", "qsa_prep"), p + "qsa_prep", cfg, il, self.qg, self.kr, self.vr, self.iqr,
                              self.ikr, d["attn_q_norm"], d["attn_k_norm"], d["indexer_q_norm"], d["indexer_k_norm"],

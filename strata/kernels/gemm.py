@@ -54,6 +54,9 @@ def chunk_k(types) -> int:
 
 
 WIDE_OUT = 1024         # plain 64-row steps take 128 weight rows a CTA when every job has at least this many outputs
+# GEMM_NARROW_APART=1: the batched step's input projections put their matrices of fewer than WIDE_OUT outputs in a
+# launch of their own (strata/cuda/batch.py _gemms), so that the wide ones keep the wide tiles; 0 for the comparison
+NARROW_APART = define("GEMM_NARROW_APART", 1)
 
 
 def tile_bm(bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
