@@ -993,7 +993,7 @@ def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
     ids_v = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(rows)]).astype(np.int32)
     X = rng.standard_normal((rows, E)).astype(F32)
     plan = kmoe.tile_plan(rows, k, n_exp)
-    assert (plan.bn, plan.bn2) == {9: (16, 0), 40: (64, 0), 100: (128, 64)}[rows]    # 128: gemm.cuh's paired GLU
+    assert (plan.bn, plan.bn2) == {9: (16, 0), 40: (64, 16 * kmoe.NARROW16), 100: (128, 64)}[rows]  # 128: paired GLU
     pairs = rows * k
     plans = [plan] + {100: [kmoe.TilePlan(128, min(n_exp, pairs) + pairs // 128)],     # 128-pair tiles alone
                       40: [kmoe.TilePlan(64, pairs // 17, 16, min(n_exp, pairs))]}.get(rows, [])  # MOE_NARROW16's
@@ -1042,8 +1042,9 @@ def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
         prepared = run(plan, splits)
         names = ["experts.gate_up_split", "experts.gate_up", "experts.down_split", "experts.down"]
         if plan.bn2:
-            names = ["experts.gate_up_split", "experts.gate_up_split.64", "experts.gate_up", "experts.gate_up.64",
-                     "experts.down_split", "experts.down_split.64", "experts.down", "experts.down.64"]
+            s2 = f".{plan.bn2}"
+            names = ["experts.gate_up_split", "experts.gate_up_split" + s2, "experts.gate_up", "experts.gate_up" + s2,
+                     "experts.down_split", "experts.down_split" + s2, "experts.down", "experts.down" + s2]
         assert prepared[3] == names
         assert np.array_equal(by_choice(prepared), by_choice(first)), "the prepared rows give other numbers"
     assert np.array_equal(np.sort(live), np.arange(len(live))), "pairs are not a permutation"
