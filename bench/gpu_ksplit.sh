@@ -7,7 +7,7 @@
 # the same run (bench/gpu_vs_llamacpp.sh vram, carry .llama/llama-bench.xz). Logs in $OUT (prefill_<n>.log).
 #   bash bench/gpu_ksplit.sh
 #   CHUNKS=512 LLAMA=1 bash bench/gpu_ksplit.sh
-#   CHUNKS=1024,2048 VARIANTS=";MOE_NARROW16=1" bash bench/gpu_ksplit.sh
+#   CHUNKS=1024,2048 VARIANTS=";GEMM_NARROW_APART=0" bash bench/gpu_ksplit.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1

@@ -543,9 +543,8 @@ def test_batched_wide_expert_tiles(case, monkeypatch):
     """Expert tiles of 128 pairs (moe.py tile_plan; gate/up in gemm.cuh's paired GLU tile) through the backend, made
     to apply at steps of 48 rows (MOE_WIDE_PAIRS lowered to the 18 pairs an expert they have), alone and with each
     expert's last <= 64 pairs in 64-pair tiles (MOE_NARROW_LAST, every tile here): every row bit for bit what
-    64-pair tiles give, and within 1e-4 of transformers; and 64-pair tiles with each expert's last <= 16 pairs in
-    16-pair tiles (MOE_NARROW16). (tests/test_cuda_kernels.py test_grouped_experts mixes the two lists in one
-    step.)"""
+    64-pair tiles give, and within 1e-4 of transformers. (tests/test_cuda_kernels.py test_grouped_experts mixes
+    the two lists in one step.)"""
     from strata.kernels import moe as kmoe
     spec, model, tokens, ref = case
     if spec.name != "grouped":
@@ -558,7 +557,7 @@ def test_batched_wide_expert_tiles(case, monkeypatch):
         be = CudaBackend(model, experts="vram", max_ctx=128, step_tokens=48, log=print)
         try:
             tp = be.batch.tile_plan
-            assert (tp.bn, tp.bn2) == ((128, 64 if narrow_last else 0) if wide < 64 else (64, 16 * kmoe.NARROW16))
+            assert (tp.bn, tp.bn2) == ((128, 64 if narrow_last else 0) if wide < 64 else (64, 0))
             return run_steps(be, model, tokens, sizes)
         finally:
             be.close()
@@ -566,9 +565,6 @@ def test_batched_wide_expert_tiles(case, monkeypatch):
     for wide, last in ((48 * 3 // 8, 0), (48 * 3 // 8, 1)):
         got = run(wide, last)
         assert np.array_equal(got, narrow), f"128-pair expert tiles (narrow last {last}) gave other numbers"
-    monkeypatch.setattr(kmoe, "NARROW16", 1)
-    got = run(64, 1)
-    assert np.array_equal(got, narrow), "64-pair tiles with 16-pair last tiles gave other numbers"
     assert rel_err(narrow, ref).max() <= 1e-4
 
 

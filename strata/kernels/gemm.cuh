@@ -254,12 +254,12 @@ __device__ __forceinline__ void wg_pin(float& r) {
 __device__ __forceinline__ bool f16_exact(int type) {
     return GEMM_EXACT_W && (type == T_Q2_0 || type == T_F16 || type == T_BF16);
 }
-// GEMM_COMPACT_W (default 0 until timed): a wgmma tile whose weights are all f16-exact writes no lo halves, and its
-// Layout keeps the lo plane after the hi one, so the next region (the GLU partner's tile, the rows' tile) starts
-// where the hi halves end: half the weight tiles' shared memory (gemm.py smem_bytes sizes a launch so when every
-// job's weights are exact on sm_90), room for more CTAs of the expert tiles (moe.cu MOE_MIN_CTAS16).
+// GEMM_COMPACT_W (default 1; 0 for the same-call comparison): a wgmma tile whose weights are all f16-exact writes no
+// lo halves, and its Layout keeps the lo plane after the hi one, so the next region (the GLU partner's tile, the
+// rows' tile) starts where the hi halves end: half the weight tiles' shared memory (gemm.py smem_bytes sizes a launch
+// so when every job's weights are exact on sm_90), room for more CTAs of the expert tiles (moe.cu MOE_MIN_CTAS16).
 #ifndef GEMM_COMPACT_W
-#define GEMM_COMPACT_W 0
+#define GEMM_COMPACT_W 1
 #endif
 
 // The PPT consecutive threads that hold one row's values (PPT a power of 2 <= 32 dividing GM_THREADS, every

@@ -55,8 +55,9 @@ def chunk_k(types) -> int:
 
 WIDE_OUT = 1024         # plain 64-row steps take 128 weight rows a CTA when every job has at least this many outputs
 # GEMM_NARROW_APART=1: the batched step's input projections put their matrices of fewer than WIDE_OUT outputs in a
-# launch of their own (strata/cuda/batch.py _gemms), so that the wide ones keep the wide tiles; off until timed
-NARROW_APART = define("GEMM_NARROW_APART", 0)
+# launch of their own (strata/cuda/batch.py _gemms), so that the wide ones keep the wide tiles: a 4096-row chunk
+# 1,097.3 -> 1,071.5 ms, 512 rows 339.7 -> 333.6 (H100, same call, bench/RESULTS.md 2026-12-07); 0 for the comparison
+NARROW_APART = define("GEMM_NARROW_APART", 1)
 
 
 def tile_bm(bn: int, glu: bool, n_out: int = WIDE_OUT) -> int:
@@ -91,7 +92,7 @@ def smem_bytes(bk: int, bn: int, bm: int, glu: bool, compact: bool = False) -> i
 # gemm.cuh f16_exact and GEMM_COMPACT_W: the formats whose tiles write no lo halves, and whether a wgmma tile of them
 # then packs its shared memory (sm_90: the wgmma tile; elsewhere the mma.sync tile's rows interleave the halves)
 EXACT_TYPES = frozenset({QType.Q2_0, QType.F16, QType.BF16}) if define("GEMM_EXACT_W", 1) else frozenset()
-COMPACT_W = define("GEMM_COMPACT_W", 0) if define("GEMM_WGMMA", 1) else 0
+COMPACT_W = define("GEMM_COMPACT_W", 1) if define("GEMM_WGMMA", 1) else 0
 
 
 def compact_tile(arch: int, types) -> bool:

@@ -467,11 +467,13 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
 }
 
 // The 16-pair tiles (NT = 2: steps of few pairs an expert, each weight decoded for ~10 pairs) are bound by their
-// weight loads' latency: MOE_MIN_CTAS16 CTAs a multiprocessor for them (96 registers, the gate/up tile spilling
-// 144 bytes) against gemm.cuh's 3 (165 registers): a 512-row chunk 325.9 -> 301.4 ms (4: 306.6; H100, same call,
+// weight loads' latency: MOE_MIN_CTAS16 CTAs a multiprocessor for them against gemm.cuh's 3 (165 registers): at 5
+// (96 registers, the gate/up tile spilling 144 bytes) a 512-row chunk 325.9 -> 301.4 ms (4: 306.6; H100, same
+// call). 6 (80 registers, 192 bytes of stack) fits by shared memory only with GEMM_COMPACT_W's 21 KB gate/up tiles
+// (40 KB without): with both, 1024-row chunks 428.9 -> 422.4 ms, 4096 1,069.6 -> 1,065.2 (H100, same call;
 // bench/RESULTS.md 2026-12-07). 0: GM_MIN_CTAS, as the other tiles.
 #ifndef MOE_MIN_CTAS16
-#define MOE_MIN_CTAS16 5
+#define MOE_MIN_CTAS16 6
 #endif
 #define MOE_MIN_CTAS(GLU, BK, MT, NT) (NT == 2 && MOE_MIN_CTAS16 ? MOE_MIN_CTAS16 : GM_MIN_CTAS(GLU, BK, MT))
 

@@ -262,11 +262,6 @@ WIDE_PAIRS = define("MOE_WIDE_PAIRS", 64)
 # ~53): 128-pair tiles alone cost 39% more multiplies than 64-pair ones there, 64-pair tiles alone decode the hot
 # experts' weights 2-9 times; the two lists decode no more than the first and multiply no more than the second.
 NARROW_LAST = define("MOE_NARROW_LAST", 1)
-# MOE_NARROW16=1: with 64-pair tiles (steps of 16-64 pairs an expert on average: 820-3276 rows at flash's 512 experts
-# and top 10), an expert's last tile of at most 16 pairs is a 16-pair tile (the second list): the same decode of its
-# weights, a quarter of the 64-pair tile's multiplies, and the 16-pair tile's 5 CTAs a multiprocessor (moe.cu
-# MOE_MIN_CTAS16) against 3. Off until timed (bench/GPU_NOTES.md).
-NARROW16 = define("MOE_NARROW16", 0)
 
 
 @dataclass(frozen=True)
@@ -296,16 +291,13 @@ class TilePlan:
 
 def tile_plan(max_rows: int, k: int, n_expert: int) -> TilePlan:
     """Pairs per expert tile: 16 while the step's pairs per expert are few, 64 for longer steps, 128 for long chunks
-    (WIDE_PAIRS pairs an expert on average), their last tiles of <= 64 pairs at 64 (NARROW_LAST), the 64-pair
-    tiles' last of <= 16 at 16 (NARROW16). Capacities: every used expert's partial tile plus the full ones; with
-    two lists a first-list tile holds > bn2 pairs."""
+    (WIDE_PAIRS pairs an expert on average), their last tiles of <= 64 pairs at 64 (NARROW_LAST). Capacities: every
+    used expert's partial tile plus the full ones; with two lists a first-list tile holds > bn2 pairs."""
     pairs = max_rows * k
     bn = 16 if pairs <= 16 * n_expert else 128 if pairs >= WIDE_PAIRS * n_expert else 64
     cap = min(n_expert, pairs) + pairs // bn
     if bn == 128 and NARROW_LAST:
         return TilePlan(bn, min(cap, pairs // 65), 64, min(n_expert, pairs))
-    if bn == 64 and NARROW16:
-        return TilePlan(bn, min(cap, pairs // 17), 16, min(n_expert, pairs))
     return TilePlan(bn, cap)
 
 
