@@ -1039,9 +1039,8 @@ def test_grouped_experts(rig, qt, rows, prep, monkeypatch):
         prepared = run(plan, splits)
         names = ["experts.gate_up_split", "experts.gate_up", "experts.down_split", "experts.down"]
         if plan.bn2:
-            s2 = f".{plan.bn2}"
-            names = ["experts.gate_up_split", "experts.gate_up_split" + s2, "experts.gate_up", "experts.gate_up" + s2,
-                     "experts.down_split", "experts.down_split" + s2, "experts.down", "experts.down" + s2]
+            names = ["experts.gate_up_split", "experts.gate_up_split.64", "experts.gate_up", "experts.gate_up.64",
+                     "experts.down_split", "experts.down_split.64", "experts.down", "experts.down.64"]
         assert prepared[3] == names
         assert np.array_equal(by_choice(prepared), by_choice(first)), "the prepared rows give other numbers"
     assert np.array_equal(np.sort(live), np.arange(len(live))), "pairs are not a permutation"
