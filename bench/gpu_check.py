@@ -985,6 +985,8 @@ def main() -> None:
                     help="every phase but tests (a pytest process of its own): the routed experts' tile geometry "
                          "as TPG,RR/TPG,RR (gate/up, down) in place of the time model's pick, to time the whole-token "
                          "graph with another tile size")
+    ap.add_argument("--moe-rows", default="4096",
+                    help="moe phase: the chunk's rows, a comma list (512: the 16-pair expert tiles)")
     ap.add_argument("--tokens", type=int, default=1, help="profile phase: whole-token graphs profiled")
     ap.add_argument("--long-ctx", type=int, default=2304, help="context filled before the long-context timing")
     ap.add_argument("--model", type=Path, default=FLASH,
@@ -1032,7 +1034,8 @@ def main() -> None:
             elif p == "mapped":
                 phase_mapped()
             elif p == "moe":
-                phase_moe()
+                for rows in a.moe_rows.split(","):
+                    phase_moe(int(rows))
             elif p == "model":
                 phase_model()
             elif p == "bench":

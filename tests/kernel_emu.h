@@ -52,6 +52,7 @@ struct alignas(8) uint2 {
 };
 
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 namespace emu {
 // A barrier of fibers: the last of `expected` arrivals opens the phase; a waiter yields until it has opened. A

@@ -1564,11 +1564,14 @@ def test_batch_plans_weight_planes():
 
 
 @both_rigs
-@pytest.mark.parametrize("gt, ut", [(QType.Q4_K, QType.Q6_K), (QType.Q2_0, QType.Q6_K), (QType.Q2_0, QType.BF16)],
-                         ids=["Q4_K-Q6_K", "Q2_0-Q6_K", "Q2_0-BF16"])
+@pytest.mark.parametrize("gt, ut", [(QType.Q4_K, QType.Q6_K), (QType.Q2_0, QType.Q6_K), (QType.Q2_0, QType.Q8_0),
+                                    (QType.Q2_0, QType.BF16)],
+                         ids=["Q4_K-Q6_K", "Q2_0-Q6_K", "Q2_0-Q8_0", "Q2_0-BF16"])
 def test_gemm_glu_gather_and_jobs(rig, gt, ut):
     """One launch: a GLU pair over gathered rows, and a BF16 job; against float64. The pairs: neither type exact
-    in f16, one (the tile then uses both weights' lo halves), both (two MMAs a product, no lo halves)."""
+    in f16, one (the tile then uses both weights' lo halves: Q2_0 in 128-element chunks, and in 64-element ones,
+    where its tile holds the block's codes and zero lo halves, gemm.cuh deq_tile_q2c), both (two MMAs a product, no
+    lo halves)."""
     from strata.kernels import gemm as kgemm
     rng = np.random.default_rng(9)
     n_in, T = 512, 40

@@ -121,7 +121,8 @@ X_SPLIT(64)
 X_SPLIT(128)
 
 // w_split: one matrix's rows decoded (gemm_tile's own decode, deq_tile) and split once for a launch, in x_split's
-// plane format (XsChunk: ws_rows rows a plane, a multiple of 128; rows past n_out zeros). grid (ws_rows / 64,
+// plane format (XsChunk: ws_rows rows a plane, a multiple of 128; rows past n_out zeros), with the rows' f32 factors
+// where x_split has shifts. grid (ws_rows / 64,
 // chunks), GM_THREADS threads. Both halves are written whatever the type: a GLU tile whose partner is not f16-exact
 // reads an exact matrix's lo halves too.
 template <int BK>
@@ -131,7 +132,7 @@ __device__ __forceinline__ void w_split_body(const u8* __restrict__ w, int type,
     const XsChunk<BK> c(ws, ws_rows, (int)blockIdx.y);
     const int m0 = (int)blockIdx.x * 64;
     deq_tile<BK>(type, w + (size_t)min(m0, n_out) * rb, rb, n_out - m0, (int)blockIdx.y * BK, n_in,
-                 (float*)c.hi(m0), 64, c.shift(m0), true, (int)c.plane);
+                 (float*)c.hi(m0), 64, (float*)c.shift(m0), true, (int)c.plane);
 }
 
 #define W_SPLIT(BK)                                                                                           \

@@ -9,8 +9,9 @@
 // batched path within 1e-5 of the f32 GEMV (a plain f16 or TF32 product would be ~1e-3).
 // f16 has a narrow exponent, so each weight row and each step row of a chunk is scaled by a power of two that
 // brings its largest |v| into [2^14, 2^15) before the split: lo is then never subnormal where it matters and hi
-// never overflows. Each k-chunk's MMAs go into zeroed registers, brought back from the chunk's shifts (exact
-// powers of two) and added into the f32 result with an FMA: the tensor cores' f32 accumulation truncates, so one
+// never overflows. Each k-chunk's MMAs go into zeroed registers, brought back by the chunk's row factors (the step
+// rows' exact powers of two; each weight row's power of two, or its block scale where the tile holds the block's
+// integer codes: deq_tile_q2c) and added into the f32 result with an FMA: the tensor cores' f32 accumulation truncates, so one
 // accumulator carried over the whole input drifted with its length (3.8e-5 from float64 at n_in 10240 against
 // 4e-7 this way, H200, bench/gemm_accuracy.py), for ~9% more time (more registers a thread). Accumulation is in a
 // fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
@@ -55,6 +56,18 @@ __device__ __forceinline__ float2 f32x2_of(u32 v) {
     f.y = emu_half_to_float((u16)(v >> 16));
 #endif
     return f;
+}
+
+// a - b in each f16 half (exact where the results are small integers, as deq_tile_q2c's)
+__device__ __forceinline__ u32 f16x2_sub(u32 a, u32 b) {
+#ifdef __CUDACC__
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+#else
+    const float2 x = f32x2_of(a), y = f32x2_of(b);
+    return emu_f16x2(x.x - y.x, x.y - y.y);
+#endif
 }
 
 // 4 consecutive (scaled) elements -> their f16 values (the hi halves), two words
@@ -290,11 +303,12 @@ __device__ __forceinline__ int split_runs(const float (&v)[4 * NR], u8* tile, in
 }
 
 // Rows [0, nrows) of a weight tile, elements [k0, k0 + BK), decoded (part_deq's decoders) and split into Ws (BM
-// rows), shift[r] each row's power of two; elements past n_in and rows past nrows are zero. Items are (row, part)
-// pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts are consecutive items.
+// rows), fac[r] the factor that brings row r's sums back (2^-shift); elements past n_in and rows past nrows are zero.
+// Items are (row, part) pairs: a part is wholly inside or outside a chunk for every format, and a row's PPT parts
+// are consecutive items.
 template <int BK, class F>
 __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
-                                           float* __restrict__ Ws, int BM, int* __restrict__ shift, bool wlo, int lo) {
+                                           float* __restrict__ Ws, int BM, float* __restrict__ fac, bool wlo, int lo) {
     constexpr int PPT = F::NP * BK / F::QK, RUNS = F::EPP / 4, RPG = RUNS / F::G;   // parts per row of the tile
     static_assert(PPT <= 32 && GM_THREADS % PPT == 0, "deq_tile_q: a row's parts in one warp");
     const int gp0 = k0 / F::QK * F::NP + (k0 % F::QK) * F::NP / F::QK;
@@ -314,13 +328,59 @@ __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int
         }
         const int s = split_runs<PPT, RUNS>(v, (u8*)Ws, lo, wlo,
                                             [&](int r) { return Layout<BK>::off(row, e0 + F::run(p, r)); });
-        if (i % PPT == 0) shift[row] = s;
+        if (i % PPT == 0) fac[row] = pow2f(-s);
+    }
+}
+
+// GEMM_Q2_CODES (default 1; 0 for the same-call comparison): a Q2_0 chunk of 64 elements is one block a row (d and
+// 2-bit codes c, v = (c - 1) d), so the tile holds the codes c - 1 themselves (-1..2, exact in f16) and the row's
+// factor is d: the chunk's products sum codes, and the epilogue's one multiply by d a row and chunk stands in for a
+// scale, a max and a split a weight. A code pair becomes f16s by bit operations (1024 + c has c in f16's low
+// mantissa bits, less 1025 in f16 exactly). The decode was ~23 instructions a weight (ncu, moe_gu16_k64 at 512 rows,
+// H100: 1.36e9 warp instructions for 1.9e9 weights, issue slots 62% busy); this one is ~3. One more f32 rounding
+// a product (the sum times d), far below 3xFP16's 2^-22.
+#ifndef GEMM_Q2_CODES
+#define GEMM_Q2_CODES 1
+#endif
+template <int BK>
+__device__ __forceinline__ void deq_tile_q2c(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
+                                             float* __restrict__ Ws, int BM, float* __restrict__ fac, bool wlo,
+                                             int lo) {
+    static_assert(BK == FQ2_0::QK, "deq_tile_q2c: one block a row and chunk");
+    const int blk = k0 / FQ2_0::QK;
+    for (int i = threadIdx.x; i < BM * FQ2_0::NP; i += GM_THREADS) {
+        const int row = i / FQ2_0::NP, p = i % FQ2_0::NP;       // part p: elements 16p .. 16p + 15
+        u32 q = 0x55555555u;                                    // codes 1 (value 0): rows past nrows
+        float d = 0.0f;
+        if (row < nrows && blk * FQ2_0::QK < n_in) {
+            const u8* b = w + (size_t)row * rb + (size_t)blk * FQ2_0::BB;
+            q = ld32_a2(b + 2 + 4 * p);                         // element j's code at bits 2j
+            d = h2f(ld16(b));
+        }
+        u32 h[8], o[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++)         // elements j and j + 8 (16 bits apart): f16 1024 + c each, then c - 1
+            h[j] = f16x2_sub(((q >> (2 * j)) & 0x00030003u) | 0x64006400u, 0x64016401u);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {       // (2j, 2j + 8), (2j + 1, 2j + 9) -> (2j, 2j + 1), (2j + 8, 2j + 9)
+            o[j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x5410u);
+            o[4 + j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x7632u);
+        }
+        u8* t = (u8*)Ws + Layout<BK>::off(row, 16 * p);          // 8 elements: 16 contiguous bytes in both layouts
+        u8* t8 = (u8*)Ws + Layout<BK>::off(row, 16 * p + 8);
+        *(uint4*)t = make_uint4(o[0], o[1], o[2], o[3]);
+        *(uint4*)t8 = make_uint4(o[4], o[5], o[6], o[7]);
+        if (wlo) {                          // a GLU partner that is not f16-exact: this tile's lo halves are read
+            *(uint4*)(t + lo) = make_uint4(0u, 0u, 0u, 0u);
+            *(uint4*)(t8 + lo) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (p == 0) fac[row] = d;
     }
 }
 
 template <int BK, int T>
 __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                           int* shift, bool wlo, int lo) {
+                                           float* fac, bool wlo, int lo) {
     constexpr int ES = T == T_F32 ? 4 : 2, PPT = BK / 8;
     for (int i = threadIdx.x; i < BM * PPT; i += blockDim.x) {
         const int row = i / PPT, c = i % PPT, k = k0 + 8 * c;
@@ -330,21 +390,26 @@ __device__ __forceinline__ void deq_tile_f(const u8* w, int rb, int nrows, int k
         for (int e = 0; e < 8; e++) v[e] = row < nrows && k + e < n_in ? v[e] : 0.0f;
         const int s = split_runs<PPT, 2>(v, (u8*)Ws, lo, wlo,
                                          [&](int r) { return Layout<BK>::off(row, 8 * c + 4 * r); });
-        if (c == 0) shift[row] = s;
+        if (c == 0) fac[row] = pow2f(-s);
     }
 }
 
 // lo: the lo halves' offset from Ws, bytes (-1: Layout's, for a tile of BM rows; w_split's planes pass theirs)
 template <int BK>
 __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, int k0, int n_in, float* Ws, int BM,
-                                      int* shift, bool wlo, int lo = -1) {
+                                      float* fac, bool wlo, int lo = -1) {
     if (lo < 0) lo = Layout<BK>::lo(BM);
 #define DEQ_Q(T, F)                                                                         \
-    case T: deq_tile_q<BK, F>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+    case T: deq_tile_q<BK, F>(w, rb, nrows, k0, n_in, Ws, BM, fac, wlo, lo); return;
+    if constexpr (GEMM_Q2_CODES && BK == FQ2_0::QK)
+        if (type == T_Q2_0) {
+            deq_tile_q2c<BK>(w, rb, nrows, k0, n_in, Ws, BM, fac, wlo, lo);
+            return;
+        }
     switch (type) {
-        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
-        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, shift, wlo, lo); return;
+        case T_F32: deq_tile_f<BK, T_F32>(w, rb, nrows, k0, n_in, Ws, BM, fac, wlo, lo); return;
+        case T_F16: deq_tile_f<BK, T_F16>(w, rb, nrows, k0, n_in, Ws, BM, fac, wlo, lo); return;
+        case T_BF16: deq_tile_f<BK, T_BF16>(w, rb, nrows, k0, n_in, Ws, BM, fac, wlo, lo); return;
         DEQ_Q(T_Q4_0, FQ4_0)
         DEQ_Q(T_Q4_1, FQ4_1)
         DEQ_Q(T_Q5_0, FQ5_0)
@@ -364,7 +429,7 @@ __device__ __noinline__ void deq_tile(int type, const u8* w, int rb, int nrows, 
         ((u32*)Ws)[i] = 0x7e007e00u;
         ((u32*)((u8*)Ws + lo))[i] = 0x7e007e00u;
     }
-    for (int i = threadIdx.x; i < BM; i += blockDim.x) shift[i] = 0;
+    for (int i = threadIdx.x; i < BM; i += blockDim.x) fac[i] = 1.0f;
 }
 
 // X rows [n0, n0 + BN) (gathered), elements [k0, k0 + BK), split into Xs (BN rows; the lo halves lo bytes after the
@@ -419,7 +484,7 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
 
 // Rows prepared by x_split or w_split (gemm.cu: a launch's step rows split once instead of once per M tile, its
 // weights once instead of once per N tile): per k-chunk c, the hi plane, the lo plane (rows rows each, in Layout's
-// wgmma order) and the rows' shifts. Rows [r0, r0 + R) of a plane are one contiguous span from hi(r0) (r0 a
+// wgmma order) and the rows' shifts (x_split: int32) or factors (w_split: deq_tile's, f32). Rows [r0, r0 + R) of a plane are one contiguous span from hi(r0) (r0 a
 // multiple of 8).
 template <int BK>
 struct XsChunk {
@@ -433,9 +498,10 @@ struct XsChunk {
 };
 
 // Rows [r0, r0 + R) of chunk k0 / BK of prepared planes into dst (R rows of the tile's Layout; the lo halves only
-// when lo_too) by cp.async, and their shifts into shift. The caller waits (stage_wait) before the barrier.
+// when lo_too) by cp.async, and their shifts or factors (4 bytes a row) into shift. The caller waits (stage_wait)
+// before the barrier.
 template <int BK, int R>
-__device__ __forceinline__ void copy_planes(const u8* planes, int rows, int r0, int k0, float* dst, int* shift,
+__device__ __forceinline__ void copy_planes(const u8* planes, int rows, int r0, int k0, float* dst, void* shift,
                                             bool lo_too) {
     const XsChunk<BK> c(planes, rows, k0 / BK);
     const u8* src = c.hi(r0);
@@ -446,7 +512,7 @@ __device__ __forceinline__ void copy_planes(const u8* planes, int rows, int r0, 
         const int pl = i / N16, j = i % N16;
         cp_async16(d + pl * Layout<BK>::lo(R) + 16 * j, src + pl * c.plane + 16 * j);
     }
-    // the shifts too (R int32, 16-byte aligned on both sides: planes of whole 128-row groups, tiles of LD-float rows)
+    // the shifts too (R 4-byte values, 16-byte aligned on both sides: planes of whole 128-row groups, tiles of LD-float rows)
     const int ds = (int)((u8*)shift - SMEM);
     for (int i = threadIdx.x; i < R / 4; i += GM_THREADS) cp_async16(ds + 16 * i, (const u8*)c.shift(r0) + 16 * i);
 }
@@ -497,7 +563,8 @@ __device__ __forceinline__ void frag_each(int rbase, int rstep, int cbase, int g
 
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
-// GLU only), Xs (BN), BK + 4 floats' bytes a row, then the rows' shifts (BM, BM, BN). xp: the step rows prepared
+// GLU only), Xs (BN), BK + 4 floats' bytes a row, then the weight rows' factors (f32: BM, BM) and the step rows'
+// shifts (int32: BN). xp: the step rows prepared
 // by x_split, this tile's from plane row xp_r0 + n0 (the wgmma tile copies them in a GEMM_XPREP build; otherwise,
 // and on the mma.sync tile, whose layout differs, the tile splits x itself). wp (wp2: the GLU partner's): the
 // weights as w_split prepared them, wp_rows rows a plane (copied in a GEMM_WPREP wgmma build, else decoded here).
@@ -526,9 +593,9 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     float* Ws = (float*)SMEM;
     float* Ws2 = Ws + WT;
     float* Xs = Ws2 + (glu ? WT : 0);
-    int* sh_w = (int*)(Xs + BN * LD);
-    int* sh_w2 = sh_w + BM;
-    int* sh_x = sh_w2 + BM;
+    float* fa_w = Xs + BN * LD;
+    float* fa_w2 = fa_w + BM;
+    int* sh_x = (int*)(fa_w2 + BM);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // the first row and column of this thread's fragment in block i, n8 tile j: rbase + i * rstep + g (+ 8), cbase
     // + 8 j + 2 t (+ 1)
@@ -540,19 +607,19 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     // chunk k0's weights and rows into shared memory
     auto load = [&](int k0) {
         if (wcopy) {
-            copy_planes<BK, BM>(wp, wp_rows, m0, k0, Ws, sh_w, wlo);
-            if (glu) copy_planes<BK, BM>(wp2, wp_rows, m0, k0, Ws2, sh_w2, wlo);
+            copy_planes<BK, BM>(wp, wp_rows, m0, k0, Ws, fa_w, wlo);
+            if (glu) copy_planes<BK, BM>(wp2, wp_rows, m0, k0, Ws2, fa_w2, wlo);
         }
         if (xcopy) copy_planes<BK, BN>(xp, xp_rows, xp_r0 + n0, k0, Xs, sh_x, true);
         if (PAIR) {                 // w's rows m0.. in the tile's first half, w2's in the second (never prepared)
-            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM / 2, sh_w, wlo, Layout<BK>::lo(BM));
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM / 2, fa_w, wlo, Layout<BK>::lo(BM));
             deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in,
-                         (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, sh_w + BM / 2, wlo,
+                         (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, fa_w + BM / 2, wlo,
                          Layout<BK>::lo(BM));
         } else if (!wcopy) {
-            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, sh_w, wlo);
+            deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, fa_w, wlo);
             if (glu)
-                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, sh_w2, wlo);
+                deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in, Ws2, BM, fa_w2, wlo);
         }
         if (!xcopy) load_x<BK, BN>(x, ldx, xrow, n0, nrows, k0, n_in, Xs, sh_x);
         if (wcopy || xcopy) stage_wait();
@@ -638,7 +705,7 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             }
         }
 #endif
-        // the chunk's sums back from its shifts (exact powers of two, in turn: no 2^252 factor), added in f32
+        // the chunk's sums back by its row factors (in turn: no 2^252 factor), added in f32
         float fx[NX][2];
 #pragma unroll
         for (int j = 0; j < NX; j++)
@@ -648,8 +715,8 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
         for (int i = 0; i < MX; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const float fw = pow2f(-sh_w[rbase + i * rstep + g + 8 * r]);
-                const float fw2 = glu ? pow2f(-sh_w2[rbase + i * rstep + g + 8 * r]) : 0.0f;
+                const float fw = fa_w[rbase + i * rstep + g + 8 * r];
+                const float fw2 = glu ? fa_w2[rbase + i * rstep + g + 8 * r] : 0.0f;
 #pragma unroll
                 for (int j = 0; j < NX; j++)
 #pragma unroll
