@@ -342,39 +342,76 @@ __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int
 #ifndef GEMM_Q2_CODES
 #define GEMM_Q2_CODES 1
 #endif
+// GEMM_Q2_PREFETCH (default 0, for bench/gpu_check.py --phases moe to compare): such tiles load chunk k + 1's codes
+// and scales into registers before chunk k's products (gemm_tile), so that a tile's own loads overlap its MMAs.
+#ifndef GEMM_Q2_PREFETCH
+#define GEMM_Q2_PREFETCH 0
+#endif
+// A thread's items (row, part) of a Q2_0 tile chunk of bm <= BMAX rows as loaded, items threadIdx.x + j GM_THREADS
+// (part p: elements 16p .. 16p + 15): the part's codes and, for p == 0 (the same threads every chunk), the block's
+// f16 scale. Every load is issued before any is used.
+template <int BMAX>
+struct Q2Items {
+    static constexpr int NI = (BMAX * FQ2_0::NP + GM_THREADS - 1) / GM_THREADS;
+    u32 q[NI];
+    u16 d[NI];
+
+    // chunk k0 of rows [0, nrows) at w; rows past nrows (and a chunk past n_in) codes 1, scale 0: zeros
+    __device__ __forceinline__ void fetch(const u8* __restrict__ w, int rb, int bm, int nrows, int k0, int n_in) {
+        const int blk = k0 / FQ2_0::QK;
+#pragma unroll
+        for (int j = 0; j < NI; j++) {
+            const int i = threadIdx.x + j * GM_THREADS, row = i / FQ2_0::NP, p = i % FQ2_0::NP;
+            q[j] = 0x55555555u;
+            d[j] = 0;
+            if (i < bm * FQ2_0::NP && row < nrows && blk * FQ2_0::QK < n_in) {
+                const u8* b = w + (size_t)row * rb + (size_t)blk * FQ2_0::BB;
+                q[j] = ld32_a2(b + 2 + 4 * p);              // element e's code at bits 2e
+                if (p == 0) d[j] = ld16(b);
+            }
+        }
+    }
+
+    // the codes c - 1 into the tile (zero lo halves when wlo), the scales into fac
+    template <int BK>
+    __device__ __forceinline__ void store(float* __restrict__ Ws, int bm, float* __restrict__ fac, bool wlo,
+                                          int lo) const {
+#pragma unroll
+        for (int j = 0; j < NI; j++) {
+            const int i = threadIdx.x + j * GM_THREADS, row = i / FQ2_0::NP, p = i % FQ2_0::NP;
+            if (i >= bm * FQ2_0::NP) break;
+            u32 h[8], o[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++)     // elements e and e + 8 (16 bits apart): f16 1024 + c each, then c - 1
+                h[e] = f16x2_sub(((q[j] >> (2 * e)) & 0x00030003u) | 0x64006400u, 0x64016401u);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {   // (2e, 2e + 8), (2e + 1, 2e + 9) -> (2e, 2e + 1), (2e + 8, 2e + 9)
+                o[e] = __byte_perm(h[2 * e], h[2 * e + 1], 0x5410u);
+                o[4 + e] = __byte_perm(h[2 * e], h[2 * e + 1], 0x7632u);
+            }
+            u8* t = (u8*)Ws + Layout<BK>::off(row, 16 * p);      // 8 elements: 16 contiguous bytes in both layouts
+            u8* t8 = (u8*)Ws + Layout<BK>::off(row, 16 * p + 8);
+            *(uint4*)t = make_uint4(o[0], o[1], o[2], o[3]);
+            *(uint4*)t8 = make_uint4(o[4], o[5], o[6], o[7]);
+            if (wlo) {                      // a GLU partner that is not f16-exact: this tile's lo halves are read
+                *(uint4*)(t + lo) = make_uint4(0u, 0u, 0u, 0u);
+                *(uint4*)(t8 + lo) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            if (p == 0) fac[row] = h2f(d[j]);
+        }
+    }
+};
+
 template <int BK>
 __device__ __forceinline__ void deq_tile_q2c(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
                                              float* __restrict__ Ws, int BM, float* __restrict__ fac, bool wlo,
                                              int lo) {
     static_assert(BK == FQ2_0::QK, "deq_tile_q2c: one block a row and chunk");
-    const int blk = k0 / FQ2_0::QK;
-    for (int i = threadIdx.x; i < BM * FQ2_0::NP; i += GM_THREADS) {
-        const int row = i / FQ2_0::NP, p = i % FQ2_0::NP;       // part p: elements 16p .. 16p + 15
-        u32 q = 0x55555555u;                                    // codes 1 (value 0): rows past nrows
-        float d = 0.0f;
-        if (row < nrows && blk * FQ2_0::QK < n_in) {
-            const u8* b = w + (size_t)row * rb + (size_t)blk * FQ2_0::BB;
-            q = ld32_a2(b + 2 + 4 * p);                         // element j's code at bits 2j
-            d = h2f(ld16(b));
-        }
-        u32 h[8], o[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++)         // elements j and j + 8 (16 bits apart): f16 1024 + c each, then c - 1
-            h[j] = f16x2_sub(((q >> (2 * j)) & 0x00030003u) | 0x64006400u, 0x64016401u);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {       // (2j, 2j + 8), (2j + 1, 2j + 9) -> (2j, 2j + 1), (2j + 8, 2j + 9)
-            o[j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x5410u);
-            o[4 + j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x7632u);
-        }
-        u8* t = (u8*)Ws + Layout<BK>::off(row, 16 * p);          // 8 elements: 16 contiguous bytes in both layouts
-        u8* t8 = (u8*)Ws + Layout<BK>::off(row, 16 * p + 8);
-        *(uint4*)t = make_uint4(o[0], o[1], o[2], o[3]);
-        *(uint4*)t8 = make_uint4(o[4], o[5], o[6], o[7]);
-        if (wlo) {                          // a GLU partner that is not f16-exact: this tile's lo halves are read
-            *(uint4*)(t + lo) = make_uint4(0u, 0u, 0u, 0u);
-            *(uint4*)(t8 + lo) = make_uint4(0u, 0u, 0u, 0u);
-        }
-        if (p == 0) fac[row] = d;
+    constexpr int R = GM_THREADS / FQ2_0::NP;       // rows a pass: one item a thread (fewer live registers than
+    for (int r0 = 0; r0 < BM; r0 += R) {            // all of a thread's items loaded first: spills at 80)
+        Q2Items<R> it;
+        it.fetch(w + (size_t)r0 * rb, rb, min(BM - r0, R), nrows - r0, k0, n_in);
+        it.store<BK>((float*)((u8*)Ws + Layout<BK>::off(r0, 0)), min(BM - r0, R), fac + r0, wlo, lo);
     }
 }
 
@@ -604,6 +641,16 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const int R1 = PAIR ? BM / 2 : BM, mrows = min(R1, n_out - m0);     // R1: the rows of w (the rest: w2's)
     const bool wcopy = GM_WG && GEMM_WPREP && !PAIR && wp != nullptr && (!glu || wp2 != nullptr);
     const bool xcopy = GM_WG && GEMM_XPREP && xp != nullptr;
+    const int k_end = k_hi < 0 ? n_in : min(k_hi, n_in);
+    // GEMM_Q2_PREFETCH: Q2_0 weights (both of a GLU pair) as deq_tile_q2c's codes, from registers loaded one chunk
+    // ahead
+    constexpr bool Q2PF = GEMM_Q2_PREFETCH && GEMM_Q2_CODES && BK == FQ2_0::QK && !PAIR;
+    const bool q2pf = Q2PF && !wcopy && type == T_Q2_0 && (!glu || type2 == T_Q2_0);
+    Q2Items<BM> pf, pf2;
+    if (q2pf) {
+        pf.fetch(w + (size_t)m0 * rb, rb, BM, mrows, k_lo, n_in);
+        if (glu) pf2.fetch(w2 + (size_t)m0 * rb2, rb2, BM, mrows, k_lo, n_in);
+    }
     // chunk k0's weights and rows into shared memory
     auto load = [&](int k0) {
         if (wcopy) {
@@ -616,6 +663,13 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in,
                          (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, fa_w + BM / 2, wlo,
                          Layout<BK>::lo(BM));
+        } else if (q2pf) {
+            pf.template store<BK>(Ws, BM, fa_w, wlo, Layout<BK>::lo(BM));
+            if (glu) pf2.template store<BK>(Ws2, BM, fa_w2, wlo, Layout<BK>::lo(BM));
+            if (k0 + BK < k_end) {          // the next chunk's loads in flight over this chunk's products
+                pf.fetch(w + (size_t)m0 * rb, rb, BM, mrows, k0 + BK, n_in);
+                if (glu) pf2.fetch(w2 + (size_t)m0 * rb2, rb2, BM, mrows, k0 + BK, n_in);
+            }
         } else if (!wcopy) {
             deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, fa_w, wlo);
             if (glu)
@@ -641,7 +695,6 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = acc2[i][j][e] = 0.0f;
 
-    const int k_end = k_hi < 0 ? n_in : min(k_hi, n_in);
     for (int k0 = k_lo; k0 < k_end; k0 += BK) {
         load(k0);
         wg_proxy_fence();
