@@ -7,15 +7,15 @@
 // lo = f16(v - hi), and hi*hi + hi*lo + lo*hi keep about 22 bits of every product (what 3xTF32 kept, at twice the
 // tensor rate and a third of the fragment instructions: ldmatrix, no per-load split), which is what keeps the
 // batched path within 1e-5 of the f32 GEMV (a plain f16 or TF32 product would be ~1e-3).
-// f16 has a narrow exponent, so each weight row and each step row of a chunk is scaled by a power of two that
-// brings its largest |v| into [2^14, 2^15) before the split: lo is then never subnormal where it matters and hi
-// never overflows. Each k-chunk's MMAs go into zeroed registers, brought back by the chunk's row factors (the step
-// rows' exact powers of two; each weight row's power of two, or its block scale where the tile holds the block's
-// integer codes: deq_tile_q2c) and added into the f32 result with an FMA: the tensor cores' f32 accumulation truncates, so one
-// accumulator carried over the whole input drifted with its length (3.8e-5 from float64 at n_in 10240 against
+// f16 has a narrow exponent, so each weight row and each step row of a chunk is scaled by a power of two that brings
+// its largest |v| into [2^14, 2^15) before the split: lo is then never subnormal where it matters and hi never
+// overflows. Each k-chunk's MMAs go into zeroed registers, brought back by the chunk's row factors (the step rows'
+// exact powers of two; each weight row's power of two, or its block scale where the tile holds the block's integer
+// codes: deq_tile_q2c) and added into the f32 result with an FMA: the tensor cores' f32 accumulation truncates, so
+// one accumulator carried over the whole input drifted with its length (3.8e-5 from float64 at n_in 10240 against
 // 4e-7 this way, H200, bench/gemm_accuracy.py), for ~9% more time (more registers a thread). Accumulation is in a
-// fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on
-// which other rows share its tile.
+// fixed order per element (the k loop), so results are deterministic, and a row's result does not depend on which
+// other rows share its tile.
 #pragma once
 #include "quant.cuh"
 
@@ -338,14 +338,11 @@ __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int
 // scale, a max and a split a weight. A code pair becomes f16s by bit operations (1024 + c has c in f16's low
 // mantissa bits, less 1025 in f16 exactly). The decode was ~23 instructions a weight (ncu, moe_gu16_k64 at 512 rows,
 // H100: 1.36e9 warp instructions for 1.9e9 weights, issue slots 62% busy); this one is ~3. One more f32 rounding
-// a product (the sum times d), far below 3xFP16's 2^-22.
+// a product (the sum times d), far below 3xFP16's 2^-22. H100, same call (bench/RESULTS.md 2026-12-07, twenty-third
+// session): expert gate/up + down at 512 rows 3.31 -> 2.73 ms a layer, 4096 rows 6.94 -> 5.57; prefill chunks of
+// 512 / 1024 / 4096 rows 325.3 / 421.8 / 1,054.6 -> 282.5 / 374.4 / 986.7 ms.
 #ifndef GEMM_Q2_CODES
 #define GEMM_Q2_CODES 1
-#endif
-// GEMM_Q2_PREFETCH (default 0, for bench/gpu_check.py --phases moe to compare): such tiles load chunk k + 1's codes
-// and scales into registers before chunk k's products (gemm_tile), so that a tile's own loads overlap its MMAs.
-#ifndef GEMM_Q2_PREFETCH
-#define GEMM_Q2_PREFETCH 0
 #endif
 // A thread's items (row, part) of a Q2_0 tile chunk of bm <= BMAX rows as loaded, items threadIdx.x + j GM_THREADS
 // (part p: elements 16p .. 16p + 15): the part's codes and, for p == 0 (the same threads every chunk), the block's
@@ -407,8 +404,11 @@ __device__ __forceinline__ void deq_tile_q2c(const u8* __restrict__ w, int rb, i
                                              float* __restrict__ Ws, int BM, float* __restrict__ fac, bool wlo,
                                              int lo) {
     static_assert(BK == FQ2_0::QK, "deq_tile_q2c: one block a row and chunk");
-    constexpr int R = GM_THREADS / FQ2_0::NP;       // rows a pass: one item a thread (fewer live registers than
-    for (int r0 = 0; r0 < BM; r0 += R) {            // all of a thread's items loaded first: spills at 80)
+    // rows a pass: one item a thread. A tile's items all loaded first, or the next chunk's loaded into registers
+    // before this chunk's products (GEMM_Q2_PREFETCH, measured and removed: gate/up at 512 rows 2.32 against 1.86 ms,
+    // H100), spill more at the 16-pair tiles' 80 registers than the loads' latency costs.
+    constexpr int R = GM_THREADS / FQ2_0::NP;
+    for (int r0 = 0; r0 < BM; r0 += R) {
         Q2Items<R> it;
         it.fetch(w + (size_t)r0 * rb, rb, min(BM - r0, R), nrows - r0, k0, n_in);
         it.store<BK>((float*)((u8*)Ws + Layout<BK>::off(r0, 0)), min(BM - r0, R), fac + r0, wlo, lo);
@@ -521,7 +521,8 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
 
 // Rows prepared by x_split or w_split (gemm.cu: a launch's step rows split once instead of once per M tile, its
 // weights once instead of once per N tile): per k-chunk c, the hi plane, the lo plane (rows rows each, in Layout's
-// wgmma order) and the rows' shifts (x_split: int32) or factors (w_split: deq_tile's, f32). Rows [r0, r0 + R) of a plane are one contiguous span from hi(r0) (r0 a
+// wgmma order) and the rows' shifts (x_split: int32) or factors (w_split: deq_tile's, f32). Rows [r0, r0 + R) of
+// a plane are one contiguous span from hi(r0) (r0 a
 // multiple of 8).
 template <int BK>
 struct XsChunk {
@@ -549,7 +550,8 @@ __device__ __forceinline__ void copy_planes(const u8* planes, int rows, int r0, 
         const int pl = i / N16, j = i % N16;
         cp_async16(d + pl * Layout<BK>::lo(R) + 16 * j, src + pl * c.plane + 16 * j);
     }
-    // the shifts too (R 4-byte values, 16-byte aligned on both sides: planes of whole 128-row groups, tiles of LD-float rows)
+    // the shifts too (R 4-byte values, 16-byte aligned on both sides: planes of whole 128-row groups, tiles of
+    // LD-float rows)
     const int ds = (int)((u8*)shift - SMEM);
     for (int i = threadIdx.x; i < R / 4; i += GM_THREADS) cp_async16(ds + 16 * i, (const u8*)c.shift(r0) + 16 * i);
 }
@@ -642,15 +644,6 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
     const bool wcopy = GM_WG && GEMM_WPREP && !PAIR && wp != nullptr && (!glu || wp2 != nullptr);
     const bool xcopy = GM_WG && GEMM_XPREP && xp != nullptr;
     const int k_end = k_hi < 0 ? n_in : min(k_hi, n_in);
-    // GEMM_Q2_PREFETCH: Q2_0 weights (both of a GLU pair) as deq_tile_q2c's codes, from registers loaded one chunk
-    // ahead
-    constexpr bool Q2PF = GEMM_Q2_PREFETCH && GEMM_Q2_CODES && BK == FQ2_0::QK && !PAIR;
-    const bool q2pf = Q2PF && !wcopy && type == T_Q2_0 && (!glu || type2 == T_Q2_0);
-    Q2Items<BM> pf, pf2;
-    if (q2pf) {
-        pf.fetch(w + (size_t)m0 * rb, rb, BM, mrows, k_lo, n_in);
-        if (glu) pf2.fetch(w2 + (size_t)m0 * rb2, rb2, BM, mrows, k_lo, n_in);
-    }
     // chunk k0's weights and rows into shared memory
     auto load = [&](int k0) {
         if (wcopy) {
@@ -663,13 +656,6 @@ __device__ __forceinline__ void gemm_tile(const u8* w, const u8* w2, int type, i
             deq_tile<BK>(type2, w2 + (size_t)m0 * rb2, rb2, mrows, k0, n_in,
                          (float*)((u8*)Ws + Layout<BK>::off(BM / 2, 0)), BM / 2, fa_w + BM / 2, wlo,
                          Layout<BK>::lo(BM));
-        } else if (q2pf) {
-            pf.template store<BK>(Ws, BM, fa_w, wlo, Layout<BK>::lo(BM));
-            if (glu) pf2.template store<BK>(Ws2, BM, fa_w2, wlo, Layout<BK>::lo(BM));
-            if (k0 + BK < k_end) {          // the next chunk's loads in flight over this chunk's products
-                pf.fetch(w + (size_t)m0 * rb, rb, BM, mrows, k0 + BK, n_in);
-                if (glu) pf2.fetch(w2 + (size_t)m0 * rb2, rb2, BM, mrows, k0 + BK, n_in);
-            }
         } else if (!wcopy) {
             deq_tile<BK>(type, w + (size_t)m0 * rb, rb, mrows, k0, n_in, Ws, BM, fa_w, wlo);
             if (glu)
