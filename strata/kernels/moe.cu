@@ -471,19 +471,14 @@ __device__ __forceinline__ void moe_down_body(const MoeJob* __restrict__ job, co
 // (96 registers, the gate/up tile spilling 144 bytes) a 512-row chunk 325.9 -> 301.4 ms (4: 306.6; H100, same
 // call). 6 (80 registers, 192 bytes of stack) fits by shared memory only with GEMM_COMPACT_W's 21 KB gate/up tiles
 // (40 KB without): with both, 1024-row chunks 428.9 -> 422.4 ms, 4096 1,069.6 -> 1,065.2 (H100, same call;
-// bench/RESULTS.md 2026-12-07). 0: GM_MIN_CTAS, as the other tiles. With Q2_0's codes (gemm.cuh GEMM_Q2_CODES)
-// the gate/up tile gains from 8 (64 registers) where the down tile loses (H100, 512 rows, gpu_check.py --phases
-// moe: gate/up 1.864 / 1.777 / 1.760 ms a layer at 6 / 7 / 8, down 0.866 / 0.934 / 0.928): MOE_MIN_CTAS16_GU for
-// gate/up.
+// bench/RESULTS.md 2026-12-07). 0: GM_MIN_CTAS, as the other tiles. With Q2_0's codes (gemm.cuh GEMM_Q2_CODES),
+// 7 and 8 move time between the launches (512 rows, gpu_check.py --phases moe: gate/up 1.864 / 1.777 / 1.760 ms a
+// layer at 6 / 7 / 8, down 0.866 / 0.934 / 0.928), and gate/up at 8 with down at 6 left the 512-row chunk as it was
+// (282.23 against 282.44 ms; H100, bench/RESULTS.md twenty-third session).
 #ifndef MOE_MIN_CTAS16
 #define MOE_MIN_CTAS16 6
 #endif
-#ifndef MOE_MIN_CTAS16_GU
-#define MOE_MIN_CTAS16_GU 8
-#endif
-#define MOE_MIN_CTAS(GLU, BK, MT, NT)                                                                           \
-    (NT == 2 && MOE_MIN_CTAS16 ? ((GLU) && MOE_MIN_CTAS16_GU ? MOE_MIN_CTAS16_GU : MOE_MIN_CTAS16)            \
-                               : GM_MIN_CTAS(GLU, BK, MT))
+#define MOE_MIN_CTAS(GLU, BK, MT, NT) (NT == 2 && MOE_MIN_CTAS16 ? MOE_MIN_CTAS16 : GM_MIN_CTAS(GLU, BK, MT))
 
 // tiles of 16, 64 or 128 pairs, k-chunks of 64 or 128 (gemm.cuh); the down projection's 64-pair tiles take 128
 // rows (MTD m16 tiles a warp: gemm.py tile_bm); the 128-pair tiles are 64 x 128, gate/up as the paired GLU tile
