@@ -122,9 +122,8 @@ X_SPLIT(128)
 
 // w_split: one matrix's rows decoded (gemm_tile's own decode, deq_tile) and split once for a launch, in x_split's
 // plane format (XsChunk: ws_rows rows a plane, a multiple of 128; rows past n_out zeros), with the rows' f32 factors
-// where x_split has shifts. grid (ws_rows / 64,
-// chunks), GM_THREADS threads. Both halves are written whatever the type: a GLU tile whose partner is not f16-exact
-// reads an exact matrix's lo halves too.
+// where x_split has shifts. grid (ws_rows / 64, chunks), GM_THREADS threads. Both halves are written whatever the
+// type: a GLU tile whose partner is not f16-exact reads an exact matrix's lo halves too.
 template <int BK>
 __device__ __forceinline__ void w_split_body(const u8* __restrict__ w, int type, int rb, int n_out, int n_in, u8* ws,
                                              int ws_rows) {

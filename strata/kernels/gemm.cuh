@@ -344,74 +344,43 @@ __device__ __forceinline__ void deq_tile_q(const u8* __restrict__ w, int rb, int
 #ifndef GEMM_Q2_CODES
 #define GEMM_Q2_CODES 1
 #endif
-// A thread's items (row, part) of a Q2_0 tile chunk of bm <= BMAX rows as loaded, items threadIdx.x + j GM_THREADS
-// (part p: elements 16p .. 16p + 15): the part's codes and, for p == 0 (the same threads every chunk), the block's
-// f16 scale. Every load is issued before any is used.
-template <int BMAX>
-struct Q2Items {
-    static constexpr int NI = (BMAX * FQ2_0::NP + GM_THREADS - 1) / GM_THREADS;
-    u32 q[NI];
-    u16 d[NI];
-
-    // chunk k0 of rows [0, nrows) at w; rows past nrows (and a chunk past n_in) codes 1, scale 0: zeros
-    __device__ __forceinline__ void fetch(const u8* __restrict__ w, int rb, int bm, int nrows, int k0, int n_in) {
-        const int blk = k0 / FQ2_0::QK;
-#pragma unroll
-        for (int j = 0; j < NI; j++) {
-            const int i = threadIdx.x + j * GM_THREADS, row = i / FQ2_0::NP, p = i % FQ2_0::NP;
-            q[j] = 0x55555555u;
-            d[j] = 0;
-            if (i < bm * FQ2_0::NP && row < nrows && blk * FQ2_0::QK < n_in) {
-                const u8* b = w + (size_t)row * rb + (size_t)blk * FQ2_0::BB;
-                q[j] = ld32_a2(b + 2 + 4 * p);              // element e's code at bits 2e
-                if (p == 0) d[j] = ld16(b);
-            }
-        }
-    }
-
-    // the codes c - 1 into the tile (zero lo halves when wlo), the scales into fac
-    template <int BK>
-    __device__ __forceinline__ void store(float* __restrict__ Ws, int bm, float* __restrict__ fac, bool wlo,
-                                          int lo) const {
-#pragma unroll
-        for (int j = 0; j < NI; j++) {
-            const int i = threadIdx.x + j * GM_THREADS, row = i / FQ2_0::NP, p = i % FQ2_0::NP;
-            if (i >= bm * FQ2_0::NP) break;
-            u32 h[8], o[8];
-#pragma unroll
-            for (int e = 0; e < 8; e++)     // elements e and e + 8 (16 bits apart): f16 1024 + c each, then c - 1
-                h[e] = f16x2_sub(((q[j] >> (2 * e)) & 0x00030003u) | 0x64006400u, 0x64016401u);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {   // (2e, 2e + 8), (2e + 1, 2e + 9) -> (2e, 2e + 1), (2e + 8, 2e + 9)
-                o[e] = __byte_perm(h[2 * e], h[2 * e + 1], 0x5410u);
-                o[4 + e] = __byte_perm(h[2 * e], h[2 * e + 1], 0x7632u);
-            }
-            u8* t = (u8*)Ws + Layout<BK>::off(row, 16 * p);      // 8 elements: 16 contiguous bytes in both layouts
-            u8* t8 = (u8*)Ws + Layout<BK>::off(row, 16 * p + 8);
-            *(uint4*)t = make_uint4(o[0], o[1], o[2], o[3]);
-            *(uint4*)t8 = make_uint4(o[4], o[5], o[6], o[7]);
-            if (wlo) {                      // a GLU partner that is not f16-exact: this tile's lo halves are read
-                *(uint4*)(t + lo) = make_uint4(0u, 0u, 0u, 0u);
-                *(uint4*)(t8 + lo) = make_uint4(0u, 0u, 0u, 0u);
-            }
-            if (p == 0) fac[row] = h2f(d[j]);
-        }
-    }
-};
-
+// Items (row, part p: elements 16p .. 16p + 15) a thread in turn, each loaded, decoded and stored before the next:
+// a tile's items all loaded first, or the next chunk's loaded into registers before this chunk's products
+// (GEMM_Q2_PREFETCH, measured and removed: gate/up at 512 rows 2.32 against 1.86 ms, H100), spill more at the
+// 16-pair tiles' 80 registers than the loads' latency costs. Rows past nrows: codes 1, scale 0 (zeros).
 template <int BK>
 __device__ __forceinline__ void deq_tile_q2c(const u8* __restrict__ w, int rb, int nrows, int k0, int n_in,
                                              float* __restrict__ Ws, int BM, float* __restrict__ fac, bool wlo,
                                              int lo) {
     static_assert(BK == FQ2_0::QK, "deq_tile_q2c: one block a row and chunk");
-    // rows a pass: one item a thread. A tile's items all loaded first, or the next chunk's loaded into registers
-    // before this chunk's products (GEMM_Q2_PREFETCH, measured and removed: gate/up at 512 rows 2.32 against 1.86 ms,
-    // H100), spill more at the 16-pair tiles' 80 registers than the loads' latency costs.
-    constexpr int R = GM_THREADS / FQ2_0::NP;
-    for (int r0 = 0; r0 < BM; r0 += R) {
-        Q2Items<R> it;
-        it.fetch(w + (size_t)r0 * rb, rb, min(BM - r0, R), nrows - r0, k0, n_in);
-        it.store<BK>((float*)((u8*)Ws + Layout<BK>::off(r0, 0)), min(BM - r0, R), fac + r0, wlo, lo);
+    const int blk = k0 / FQ2_0::QK;
+    for (int i = threadIdx.x; i < BM * FQ2_0::NP; i += GM_THREADS) {
+        const int row = i / FQ2_0::NP, p = i % FQ2_0::NP;
+        u32 q = 0x55555555u;
+        u16 d = 0;
+        if (row < nrows && blk * FQ2_0::QK < n_in) {
+            const u8* b = w + (size_t)row * rb + (size_t)blk * FQ2_0::BB;
+            q = ld32_a2(b + 2 + 4 * p);                         // element e's code at bits 2e
+            if (p == 0) d = ld16(b);
+        }
+        u32 h[8], o[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++)         // elements e and e + 8 (16 bits apart): f16 1024 + c each, then c - 1
+            h[e] = f16x2_sub(((q >> (2 * e)) & 0x00030003u) | 0x64006400u, 0x64016401u);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {       // (2e, 2e + 8), (2e + 1, 2e + 9) -> (2e, 2e + 1), (2e + 8, 2e + 9)
+            o[e] = __byte_perm(h[2 * e], h[2 * e + 1], 0x5410u);
+            o[4 + e] = __byte_perm(h[2 * e], h[2 * e + 1], 0x7632u);
+        }
+        u8* t = (u8*)Ws + Layout<BK>::off(row, 16 * p);          // 8 elements: 16 contiguous bytes in both layouts
+        u8* t8 = (u8*)Ws + Layout<BK>::off(row, 16 * p + 8);
+        *(uint4*)t = make_uint4(o[0], o[1], o[2], o[3]);
+        *(uint4*)t8 = make_uint4(o[4], o[5], o[6], o[7]);
+        if (wlo) {                          // a GLU partner that is not f16-exact: this tile's lo halves are read
+            *(uint4*)(t + lo) = make_uint4(0u, 0u, 0u, 0u);
+            *(uint4*)(t8 + lo) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (p == 0) fac[row] = h2f(d);
     }
 }
 
@@ -522,8 +491,7 @@ __device__ __forceinline__ void load_x(const float* x, int ldx, const i32* xrow,
 // Rows prepared by x_split or w_split (gemm.cu: a launch's step rows split once instead of once per M tile, its
 // weights once instead of once per N tile): per k-chunk c, the hi plane, the lo plane (rows rows each, in Layout's
 // wgmma order) and the rows' shifts (x_split: int32) or factors (w_split: deq_tile's, f32). Rows [r0, r0 + R) of
-// a plane are one contiguous span from hi(r0) (r0 a
-// multiple of 8).
+// a plane are one contiguous span from hi(r0) (r0 a multiple of 8).
 template <int BK>
 struct XsChunk {
     u8* base;
@@ -603,9 +571,9 @@ __device__ __forceinline__ void frag_each(int rbase, int rstep, int cbase, int g
 // The tile [m0, m0 + BM) x [n0, n0 + BN) of one job. GLU jobs (w2 set) need MAY_GLU: the second accumulator set
 // costs ~70 registers a thread, which the plain kernels spend on occupancy instead. Shared memory: Ws (BM), Ws2 (BM,
 // GLU only), Xs (BN), BK + 4 floats' bytes a row, then the weight rows' factors (f32: BM, BM) and the step rows'
-// shifts (int32: BN). xp: the step rows prepared
-// by x_split, this tile's from plane row xp_r0 + n0 (the wgmma tile copies them in a GEMM_XPREP build; otherwise,
-// and on the mma.sync tile, whose layout differs, the tile splits x itself). wp (wp2: the GLU partner's): the
+// shifts (int32: BN). xp: the step rows prepared by x_split, this tile's from plane row xp_r0 + n0 (the wgmma tile
+// copies them in a GEMM_XPREP build; otherwise, and on the mma.sync tile, whose layout differs, the tile splits x
+// itself). wp (wp2: the GLU partner's): the
 // weights as w_split prepared them, wp_rows rows a plane (copied in a GEMM_WPREP wgmma build, else decoded here).
 // [k_lo, k_hi): the inputs summed (k_lo a multiple of BK; k_hi < 0: to n_in), a slice of a split-K launch.
 // mma.sync: warps are WM x WN, each MT m16 tiles by NT n8 tiles. wgmma: the warpgroup takes BM / 64 m64 blocks of
