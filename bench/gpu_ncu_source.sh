@@ -18,7 +18,7 @@ if [ "${1:-}" = moe ]; then
 fi
 rc=0
 for n in ${@:-${launches[@]}}; do
-    rep="/tmp/gemv_src_$n"
+    rep="/tmp/ncu_src_$n"
     ncu --clock-control none -k "$kernels" --launch-skip "$n" --launch-count 1 --set full --import-source no \
         -f -o "$rep" "${run[@]}" > "$out/ncu_src_$n.log" 2>&1 || { rc=1; tail -5 "$out/ncu_src_$n.log"; continue; }
     ncu -i "$rep.ncu-rep" --page details > "$out/ncu_src_$n.txt" 2>&1
